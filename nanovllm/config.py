@@ -1,0 +1,123 @@
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+# flash-attn's paged kernels index the KV cache in pages of 256 tokens; other backends take any size,
+# and 16 keeps the last, partly filled block of each sequence small.
+FLASH_ATTN_BLOCK_SIZE = 256
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class Config:
+    """Every engine option, validated once. `LLM(...)` documents each; derived values are properties."""
+    model: str
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int | None = None
+    num_kvcache_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    load_format: str = "auto"
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+
+    def __post_init__(self):
+        def positive_int(name, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a Hugging Face model folder, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model folder {self.model!r} does not exist")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model folder {self.model!r} has no config.json")
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            positive_int(name)
+        positive_int("kvcache_block_size", allow_none=True)
+        positive_int("num_kvcache_blocks", allow_none=True)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
+            raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        except Exception as e:  # an unknown model_type, a broken config.json, ...
+            raise ValueError(f"cannot read {self.model}/config.json: {e}") from e
+        from nanovllm.models import resolve_model_class
+        resolve_model_class(self.hf_config)  # raises ValueError for an unsupported architecture
+
+        from nanovllm.layers.backends import resolve_backend
+        self.attention_backend = resolve_backend(self.attention_backend, self.device)
+        if self.attention_backend == "flash_attn" and self.block_size % FLASH_ATTN_BLOCK_SIZE:
+            raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
+                             f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
+        self.dtype = self._resolve_dtype()
+        max_positions = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_positions is not None:
+            self.max_model_len = min(self.max_model_len, max_positions)
+
+    def _resolve_dtype(self) -> torch.dtype:
+        dtype = self.dtype
+        if dtype is None:
+            if self.device == "cpu":  # CPU kernels are fastest and exact in float32
+                return torch.float32
+            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if dtype is None or dtype == torch.float32 or dtype == "float32":
+                return torch.bfloat16  # the models this engine serves are trained and shipped in bf16
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype must be one of {list(DTYPES)} or a torch dtype, got {dtype!r}")
+            return DTYPES[dtype]
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(DTYPES)} or a torch dtype, got {dtype!r}")
+        return dtype
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block: the user's choice, else what the attention backend prefers."""
+        if self.kvcache_block_size is not None:
+            return self.kvcache_block_size
+        return FLASH_ATTN_BLOCK_SIZE if self.attention_backend == "flash_attn" else DEFAULT_BLOCK_SIZE
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)

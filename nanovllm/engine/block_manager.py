@@ -1,0 +1,148 @@
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    """Key of a full block: xxh64 over (previous block's key, this block's token ids).
+
+    Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
+    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by comparing tokens).
+    """
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None          # set once the block is full and computed
+        self.token_ids: list[int] | None = None
+
+
+class BlockManager:
+    """Owns the physical KV blocks: allocation, reference counts and the prefix cache.
+
+    A block is free when no sequence holds it (ref_count == 0). A free block keeps its hash and
+    contents until it is handed out again, so a later request with the same prefix can revive it.
+    Free blocks are handed out least recently freed first (`self.free` is kept in that order).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_cached_tokens = 0  # cumulative prefix-cache hits, in tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # its old contents are about to be overwritten
+        block.hash = block.token_ids = None
+        block.ref_count = 1
+        return block_id
+
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Block ids and keys of the longest cached run of seq's full blocks, read-only.
+
+        The last token is never served from the cache: the step must compute at least one token
+        to produce the logits the next token is sampled from.
+        """
+        block_ids, hashes = [], []
+        if not self.enable_prefix_caching:
+            return block_ids, hashes
+        prev = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block_tokens(i, self.block_size)
+            h = chain_hash(prev, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            prev = h
+        return block_ids, hashes
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
+
+        Returns False, changing nothing, when too few blocks are free. On success,
+        seq.num_computed_tokens counts the tokens served from the cache.
+        """
+        assert not seq.block_table
+        hit_ids, hashes = self._match_prefix(seq)
+        num_revived = sum(self.blocks[b].ref_count == 0 for b in hit_ids)
+        num_new = self.blocks_needed(seq.num_tokens) - len(hit_ids)
+        if num_new + num_revived > len(self.free):
+            return False
+        for block_id in hit_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        seq.block_table = hit_ids + [self._take_free_block() for _ in range(num_new)]
+        seq.block_hashes = hashes
+        seq.num_computed_tokens = len(hit_ids) * self.block_size
+        self.num_cached_tokens += seq.num_computed_tokens
+        if not seq.admitted:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted = True
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make seq's block table cover its first num_tokens tokens; False (changing nothing) if
+        too few blocks are free."""
+        num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if num_new > len(self.free):
+            return False
+        seq.block_table.extend(self._take_free_block() for _ in range(num_new))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence):
+        """Publish the blocks that seq has completely filled and computed, under their chained keys."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            tokens = seq.block_tokens(i, self.block_size)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, tokens
+            self.hash_to_block[h] = block.block_id  # on a duplicate, the newest copy wins
+            seq.block_hashes.append(h)
+
+    def free_blocks(self, seq: Sequence):
+        """Drop seq's references. Its tail is freed first, so it is also reused first and the more
+        widely shared prefix blocks stay cached longest."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

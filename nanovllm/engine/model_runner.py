@@ -1,0 +1,159 @@
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends import get_backend
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import resolve_model_class
+from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
+from nanovllm.utils.loader import load_dummy, load_model
+
+# On CPU there is no memory to measure: without num_kvcache_blocks the KV cache gets this many
+# bytes, capped at what max_num_seqs sequences of max_model_len tokens could ever use.
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+class ModelRunner:
+    """Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
+        model_class = resolve_model_class(config.hf_config)
+        with default_dtype_and_device(config.dtype, self.device):
+            self.model = model_class(config.hf_config, config.max_model_len)
+        if config.load_format == "dummy":
+            load_dummy(self.model)
+        else:
+            load_model(self.model, config.model)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = get_backend(config.attention_backend)
+        for layer in self.attention_layers:
+            layer.backend = backend
+        self.sampler = Sampler()
+        self.num_kv_blocks = self._allocate_kv_cache()
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        layer = self.attention_layers[0]
+        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim * self.config.dtype.itemsize
+        return self.block_size * per_token
+
+    def _num_kv_blocks(self) -> int:
+        config = self.config
+        if config.num_kvcache_blocks is not None:
+            return config.num_kvcache_blocks
+        if self.device.type == "cpu":
+            return min(CPU_KV_CACHE_BYTES // self.kv_block_bytes(), config.max_num_seqs * config.max_blocks_per_seq)
+        # CUDA: what the largest step needs besides the KV cache is measured by running it.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        budget = total * config.gpu_memory_utilization - used_by_others - peak
+        return max(0, int(budget) // self.kv_block_bytes())
+
+    def _allocate_kv_cache(self) -> int:
+        config = self.config
+        num_blocks = self._num_kv_blocks()
+        if num_blocks < config.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
+                f"{config.max_blocks_per_seq} that one sequence of max_model_len={config.max_model_len} "
+                f"tokens needs; raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
+        layer = self.attention_layers[0]
+        # [K/V, layer, block, slot in block, kv head, head dim]
+        cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                            layer.head_dim, dtype=config.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+        self.kv_cache = cache
+        return num_blocks
+
+    @torch.inference_mode()
+    def _warmup(self):
+        """One forward at the largest step the scheduler can build, plus sampling at max_num_seqs rows."""
+        config = self.config
+        num_tokens = config.max_num_batched_tokens
+        lens = [config.max_model_len] * (num_tokens // config.max_model_len)
+        if num_tokens % config.max_model_len:
+            lens.append(num_tokens % config.max_model_len)
+        cu = torch.tensor([0] + lens).cumsum(0).tolist()
+        rows = min(config.max_num_seqs, num_tokens)
+        context = Context(cu_seqlens_q_cpu=cu, seq_lens_k_cpu=lens, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                          cu_seqlens_q=self._to_device(cu, torch.int32), cu_seqlens_k=self._to_device(cu, torch.int32),
+                          seq_lens_k=self._to_device(lens, torch.int32),
+                          logits_indices=self._to_device(list(range(num_tokens - rows, num_tokens)), torch.int64))
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        with forward_context(context):
+            logits = self.model.compute_logits(self.model(input_ids, positions))
+        ones = torch.ones(rows, device=self.device)
+        zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        self.sampler(logits, ones, zeros - 1, ones, zeros, zeros, filtered=True)
+        del logits
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if self.pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata."""
+        input_ids, positions, cu_q, lens_k = [], [], [0], []
+        has_cached_context = False
+        for seq in seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            cu_q.append(cu_q[-1] + n)
+            lens_k.append(start + n)
+            has_cached_context |= start > 0
+        width = max(len(seq.block_table) for seq in seqs)
+        block_tables = torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
+                                    dtype=torch.int32)                                   # [B, W]
+        pos = torch.tensor(positions, dtype=torch.int64)                                 # [T]
+        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(cu_q).diff())  # [T] -> sequence
+        slot_mapping = block_tables[rows, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        logits_indices = [cu_q[i + 1] - 1 for i, seq in enumerate(seqs) if seq.samples_this_step]
+        cu_k = torch.tensor([0] + lens_k).cumsum(0)
+        context = Context(
+            cu_seqlens_q=self._to_device(cu_q, torch.int32), cu_seqlens_k=self._to_device(cu_k.int(), torch.int32),
+            seq_lens_k=self._to_device(lens_k, torch.int32), max_seqlen_q=max(cu_q[i + 1] - cu_q[i] for i in range(len(seqs))),
+            max_seqlen_k=max(lens_k), slot_mapping=self._to_device(slot_mapping, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32) if has_cached_context else None,
+            logits_indices=self._to_device(logits_indices, torch.int64),
+            decode_only=len(input_ids) == len(seqs), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k)
+        return self._to_device(input_ids, torch.int64), self._to_device(pos, torch.int64), context
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(-1)
+        return self.sampler(
+            logits,
+            self._to_device([p.temperature for p in params], torch.float32),
+            self._to_device([p.top_k for p in params], torch.int64),
+            self._to_device([p.top_p for p in params], torch.float32),
+            self._to_device([seq.seed for seq in seqs], torch.int64),
+            self._to_device([seq.num_tokens for seq in seqs], torch.int64),  # position of the new token
+            filtered=any(p.top_k > 0 or p.top_p < 1 for p in params))
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        """Run one step; returns the sampled token of each sequence that samples, in order."""
+        input_ids, positions, context = self.prepare(seqs)
+        sampling = [seq for seq in seqs if seq.samples_this_step]
+        with forward_context(context):
+            hidden = self.model(input_ids, positions)
+            if not sampling:
+                return []
+            logits = self.model.compute_logits(hidden)
+        return self.sample(logits, sampling).tolist()

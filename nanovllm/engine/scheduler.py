@@ -1,0 +1,107 @@
+from collections import deque
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Continuous batching under a per-step token budget.
+
+    Each step: running sequences first, in admission order (one token each when decoding, the next
+    chunk of an unfinished prefill otherwise); then waiting sequences, first come first served,
+    while the budget, max_num_seqs and free blocks allow. A prompt longer than the budget left is
+    prefilled in chunks over several steps. When a running sequence needs a block and none is
+    free, the most recently admitted running sequence is preempted: its blocks are freed and it
+    returns to the front of the waiting queue, to be recomputed (its cached blocks may revive).
+    """
+
+    def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> list[Sequence]:
+        """Pick this step's sequences and set each one's num_scheduled_tokens."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+                victim = self.running.pop()  # the most recently admitted; never one already scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seq.num_scheduled_tokens = num_tokens
+                budget -= num_tokens
+                scheduled.append(seq)
+                i += 1
+        # After a preemption memory is short: admitting now would only cause more preemptions
+        # (unless nothing else runs this step).
+        while (not preempted or not scheduled) and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            self.running.append(seq)
+            scheduled.append(seq)
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.waiting.appendleft(seq)  # victims are popped newest first, so admission order survives
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], sampled: list[int]) -> list[Sequence]:
+        """Account for a finished step. `sampled` holds one token per sequence that sampled, in
+        order. Returns the sequences that finished."""
+        finished = []
+        tokens = iter(sampled)
+        for seq in seqs:
+            samples = seq.samples_this_step
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_full_blocks(seq)
+            if not samples:
+                continue
+            token = next(tokens)
+            seq.token_ids.append(token)
+            if not seq.sampling_params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                finished.append(seq)
+        assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
+        return finished
+
+    def finish(self, seq: Sequence):
+        """Release a sequence from whichever queue holds it (also used to abort a request)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free_blocks(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

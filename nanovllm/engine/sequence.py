@@ -1,0 +1,64 @@
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its tokens (prompt + completion so far), its KV blocks and its progress counters.
+
+    Counters, all in tokens:
+      num_computed_tokens   tokens whose K/V are in the cache (prefix-cache hits included)
+      num_scheduled_tokens  tokens this step computes: a prefill chunk, or 1 when decoding
+      num_cached_tokens     prompt tokens served by the prefix cache when first admitted
+    A sequence samples a token in a step exactly when that step brings num_computed_tokens up to
+    num_tokens (the end of its prefill, or any decode step).
+    """
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int):
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.seed = seed                     # sampling noise is a function of (seed, position)
+        self.block_table: list[int] = []     # physical block ids, one per block_size tokens
+        self.block_hashes: list[int] = []    # chained hash of each full, computed block
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_cached_tokens = 0
+        self.admitted = False                # set at first admission; num_cached_tokens is final then
+        self.finish_reason: str | None = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def samples_this_step(self) -> bool:
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]

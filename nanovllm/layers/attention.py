@@ -1,0 +1,27 @@
+import torch
+from torch import nn
+
+from nanovllm.utils.context import get_context
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer: stores the step's new K/V by slot, then attends through the
+    block tables with the backend the model runner bound (`self.backend`).
+
+    The runner also binds k_cache / v_cache ([num_blocks, block_size, Hkv, D]); before it does
+    (the start-up memory probe) attention runs over the new tokens alone.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.backend = None
+        self.k_cache = self.v_cache = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
+        context = get_context()
+        if self.k_cache is not None:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        return out.flatten(1)

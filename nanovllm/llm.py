@@ -1,0 +1,36 @@
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.llm_engine import LLMEngine
+
+
+class LLM(LLMEngine):
+    """The public entry point: `LLM(path).generate(prompts, SamplingParams(...))`.
+
+    model: a Hugging Face folder (config.json, *.safetensors, optional tokenizer files).
+    device: "cuda" when available, else "cpu".  dtype: the config's dtype on CUDA (bf16 if it
+        says float32), float32 on CPU; or "float32" / "bfloat16" / "float16" / a torch dtype.
+    tensor_parallel_size: ranks to shard the model over.  enforce_eager: no CUDA graphs.
+    max_num_seqs: sequences per step.  max_num_batched_tokens: tokens per step (longer prompts
+        are prefilled in chunks).  max_model_len: prompt + completion cap (at most the model's
+        max_position_embeddings).  gpu_memory_utilization: share of GPU memory the engine may use.
+    kvcache_block_size: tokens per KV block (None: 256 for flash_attn, else 16).
+    num_kvcache_blocks: KV blocks (None: sized from free GPU memory, or a fixed budget on CPU).
+    enable_prefix_caching: share KV blocks between requests with a common prefix.
+    attention_backend: "flash_attn", "triton", "torch" or None (the best available).
+    load_format: "auto" (safetensors) or "dummy" (random weights, for benchmarks).
+    """
+
+    def __init__(self, model: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False, max_num_seqs: int = 512,
+                 max_num_batched_tokens: int = 16384, max_model_len: int = 4096,
+                 gpu_memory_utilization: float = 0.9, kvcache_block_size: int | None = None,
+                 num_kvcache_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 attention_backend: str | None = None, load_format: str = "auto"):
+        super().__init__(Config(
+            model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
+            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
+            load_format=load_format))

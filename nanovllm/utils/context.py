@@ -1,0 +1,63 @@
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    """Attention metadata of one forward step, for a batch of B sequences and T new tokens in all.
+
+    cu_seqlens_q  [B+1] int32  prefix sums of new tokens per sequence (rows of the flat batch)
+    cu_seqlens_k  [B+1] int32  prefix sums of context lengths (cached + new tokens)
+    seq_lens_k    [B]   int32  context length of each sequence
+    slot_mapping  [T]   int64  cache slot of each new token: block_table[p // bs] * bs + p % bs
+    block_tables  [B, W] int32 physical block ids, padded with -1; None when no sequence has cached
+                               context, so attention can read the new K/V directly
+    logits_indices [S]  int64  rows whose hidden state is turned into logits (sampling sequences)
+    decode_only   every sequence computes exactly one token (CUDA graphs and decode kernels apply)
+    *_cpu         host copies, for backends that loop over sequences
+    """
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    seq_lens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
+    decode_only: bool = False
+    cu_seqlens_q_cpu: list[int] | None = None
+    seq_lens_k_cpu: list[int] | None = None
+
+
+_CONTEXT: Context | None = None
+
+
+def get_context() -> Context:
+    assert _CONTEXT is not None, "model forward called outside forward_context()"
+    return _CONTEXT
+
+
+@contextmanager
+def forward_context(context: Context):
+    """Make `context` visible to the attention layers for one forward; always cleared after."""
+    global _CONTEXT
+    _CONTEXT = context
+    try:
+        yield context
+    finally:
+        _CONTEXT = None
+
+
+@contextmanager
+def default_dtype_and_device(dtype: torch.dtype, device: str | torch.device):
+    """Build modules directly in `dtype` on `device`, restoring the global defaults afterwards."""
+    old_dtype, old_device = torch.get_default_dtype(), torch.get_default_device()
+    torch.set_default_dtype(dtype)
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+        torch.set_default_device(old_device)

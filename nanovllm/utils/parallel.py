@@ -1,0 +1,9 @@
+import torch.distributed as dist
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

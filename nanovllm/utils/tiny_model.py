@@ -1,0 +1,59 @@
+"""Tiny random-weight Hugging Face model folders, built locally (no downloads), for tests and demos.
+
+Each folder holds config.json, model.safetensors and a byte-level BPE tokenizer trained here on a
+few sentences (with an EOS token), exactly as `from_pretrained` expects them.
+"""
+import os
+
+import torch
+
+EOS_TOKEN = "<|endoftext|>"
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets sequences join and leave at every step.",
+    "Prefix caching shares the blocks of a common prompt prefix between requests.",
+    "日本語のテキストと絵文字 🚀 も扱えます。 Ünïcödé façade naïve café.",
+    "def forward(self, x):\n    return self.linear(x) + 1\n",
+] * 4
+
+
+def build_tokenizer(path: str, vocab_size: int = 400):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, **overrides) -> str:
+    """Write a tiny random-weight model of family `arch` to `path`; returns path.
+
+    Weights are drawn with a larger spread than real checkpoints (initializer_range 0.2) so the
+    logits are far apart and greedy decoding is robust to float rounding differences.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    eos_id = None
+    if tokenizer:
+        eos_id = build_tokenizer(path).convert_tokens_to_ids(EOS_TOKEN)
+    settings = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                    initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,
+                    dtype="float32")
+    settings.update(overrides)
+    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    config = config_class(**settings)
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,45 @@
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_reference import hf_greedy  # noqa: E402
+
+from nanovllm.utils.tiny_model import build_model  # noqa: E402
+
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """Qwen3, GQA (4 query heads over 2 KV heads), untied embeddings, with a tokenizer."""
+    return build_model(str(tmp_path_factory.mktemp("qwen3")))
+
+
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory):
+    """Qwen3 with tied embeddings and plain multi-head attention (4 KV heads)."""
+    return build_model(str(tmp_path_factory.mktemp("qwen3_tied")), seed=1, tie_word_embeddings=True,
+                       num_key_value_heads=4)
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """8 random prompts, 1 to 300 tokens long."""
+    rng = random.Random(0)
+    return [[rng.randrange(1, 512) for _ in range(n)] for n in (1, 7, 16, 33, 80, 150, 257, 300)]
+
+
+_REFERENCE = {}
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """reference(path, prompt, n): Hugging Face's greedy completion, memoized across tests."""
+    def get(path, prompt, n):
+        key = (path, tuple(prompt), n)
+        if key not in _REFERENCE:
+            _REFERENCE[key] = hf_greedy(path, list(prompt), n)
+        return _REFERENCE[key]
+    return get

@@ -1,0 +1,20 @@
+"""The Hugging Face reference the end-to-end tests compare against."""
+import torch
+
+_HF_MODELS = {}
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: Hugging Face `generate`, float32 on CPU, greedy, one prompt alone, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_MODELS:
+        _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    # an explicit mask: generate would otherwise mask every prompt token equal to the pad id
+    out = _HF_MODELS[path].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens = out[0, len(prompt_ids):].tolist()
+    assert len(tokens) == max_new_tokens, "the reference stopped early"
+    return tokens
