@@ -10,7 +10,7 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     """Key of a full block: xxh64 over (previous block's key, this block's token ids).
 
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
-    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by comparing tokens).
+    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parent blocks).
     """
     h = xxhash.xxh64()
     if prev_hash is not None:
@@ -20,13 +20,19 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    """One physical KV block. A cached block records what its K/V were computed from: its own
+    tokens and its parent, the block (id, generation) before it in the sequence (None for the
+    first). `generation` counts reallocations, so a parent that was since overwritten no longer
+    matches. Together they verify a hit exactly, whatever the hash does."""
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None          # set once the block is full and computed
+        self.hash: int | None = None          # set once the block is full, computed and published
         self.token_ids: list[int] | None = None
+        self.parent: tuple[int, int] | None = None
+        self.generation = 0
 
 
 class BlockManager:
@@ -62,7 +68,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its old contents are about to be overwritten
-        block.hash = block.token_ids = None
+        block.hash = block.token_ids = block.parent = None
+        block.generation += 1
         block.ref_count = 1
         return block_id
 
@@ -75,16 +82,19 @@ class BlockManager:
         block_ids, hashes = [], []
         if not self.enable_prefix_caching:
             return block_ids, hashes
-        prev = None
+        prev_hash = parent = None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
-            h = chain_hash(prev, tokens)
+            h = chain_hash(prev_hash, tokens)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent:  # a hash collision
                 break
             block_ids.append(block_id)
             hashes.append(h)
-            prev = h
+            prev_hash, parent = h, (block_id, block.generation)
         return block_ids, hashes
 
     def allocate(self, seq: Sequence) -> bool:
@@ -129,10 +139,14 @@ class BlockManager:
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
-            block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, tokens
-            self.hash_to_block[h] = block.block_id  # on a duplicate, the newest copy wins
             seq.block_hashes.append(h)
+            if h in self.hash_to_block:  # an equal block is published already (computed alongside): keep it
+                continue
+            block = self.blocks[seq.block_table[i]]
+            parent = self.blocks[seq.block_table[i - 1]] if i else None
+            block.hash, block.token_ids = h, tokens
+            block.parent = (parent.block_id, parent.generation) if parent else None
+            self.hash_to_block[h] = block.block_id
 
     def free_blocks(self, seq: Sequence):
         """Drop seq's references. Its tail is freed first, so it is also reused first and the more

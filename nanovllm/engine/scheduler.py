@@ -1,4 +1,5 @@
 from collections import deque
+from time import perf_counter
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -36,7 +37,6 @@ class Scheduler:
         """Pick this step's sequences and set each one's num_scheduled_tokens."""
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
-        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -44,7 +44,6 @@ class Scheduler:
             while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
                 victim = self.running.pop()  # the most recently admitted; never one already scheduled
                 self._preempt(victim)
-                preempted = True
                 if victim is seq:
                     break
             else:
@@ -52,9 +51,9 @@ class Scheduler:
                 budget -= num_tokens
                 scheduled.append(seq)
                 i += 1
-        # After a preemption memory is short: admitting now would only cause more preemptions
-        # (unless nothing else runs this step).
-        while (not preempted or not scheduled) and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # After a preemption no waiting sequence fits: the victim, now first in line, needs at least
+        # the blocks it gave up, and fewer than that are left.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.allocate(seq):
                 break
@@ -77,6 +76,7 @@ class Scheduler:
         """Account for a finished step. `sampled` holds one token per sequence that sampled, in
         order. Returns the sequences that finished."""
         finished = []
+        now = perf_counter()
         tokens = iter(sampled)
         for seq in seqs:
             samples = seq.samples_this_step
@@ -87,6 +87,8 @@ class Scheduler:
                 continue
             token = next(tokens)
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if not seq.sampling_params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
             elif seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -105,3 +107,4 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_time = perf_counter()

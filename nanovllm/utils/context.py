@@ -52,12 +52,14 @@ def forward_context(context: Context):
 
 @contextmanager
 def default_dtype_and_device(dtype: torch.dtype, device: str | torch.device):
-    """Build modules directly in `dtype` on `device`, restoring the global defaults afterwards."""
-    old_dtype, old_device = torch.get_default_dtype(), torch.get_default_device()
+    """Build modules directly in `dtype` on `device`, restoring the global defaults afterwards.
+
+    `with torch.device(...)` rather than set_default_device: the latter, once called, leaves a
+    device mode installed that adds overhead to every later torch call, even when set back."""
+    old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    torch.set_default_device(device)
     try:
-        yield
+        with torch.device(device):
+            yield
     finally:
         torch.set_default_dtype(old_dtype)
-        torch.set_default_device(old_device)

@@ -1,0 +1,456 @@
+"""BlockManager unit tests: allocation accounting, ref counts, the chained-hash prefix cache,
+LRU reuse of freed blocks, hash-collision safety and grow()."""
+import pytest
+
+import nanovllm.engine.block_manager as bm_module
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4  # block size used throughout: small so that a few tokens span several blocks
+
+
+def make_seq(token_ids, max_tokens=4):
+    return Sequence(token_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), seed=0)
+
+
+def compute_all(bm: BlockManager, seq: Sequence, num_tokens=None):
+    """What a step does once seq's K/V are written: mark tokens computed, publish full blocks."""
+    seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def check_invariants(bm: BlockManager, live: list[Sequence]):
+    """Ref count of every block == number of live block tables holding it; free <=> ref 0."""
+    for block in bm.blocks:
+        holders = sum(t == block.block_id for s in live for t in s.block_table)
+        assert block.ref_count == holders, (block.block_id, block.ref_count, holders)
+        assert (block.block_id in bm.free) == (block.ref_count == 0)
+
+
+# ---------------------------------------------------------------- allocation accounting
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 9, 17])
+def test_allocate_gives_ceil_blocks_and_free_returns_them(n):
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    seq = make_seq(list(range(100, 100 + n)))
+    assert bm.allocate(seq)
+    expected = -(-n // BS)
+    assert len(seq.block_table) == expected
+    assert len(set(seq.block_table)) == expected
+    assert all(bm.blocks[b].ref_count == 1 for b in seq.block_table)
+    assert bm.num_free_blocks == 10 - expected
+    assert seq.num_computed_tokens == 0  # empty cache: nothing served
+    check_invariants(bm, [seq])
+
+    table = list(seq.block_table)
+    bm.free_blocks(seq)
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    assert bm.num_free_blocks == 10
+    assert all(bm.blocks[b].ref_count == 0 for b in table)
+    check_invariants(bm, [])
+
+
+def test_allocate_fails_without_change_when_too_few_free():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(list(range(10)))          # 3 blocks
+    assert bm.allocate(a)
+    assert bm.num_free_blocks == 1
+    b = make_seq(list(range(50, 55)))      # needs 2 blocks, 1 free
+    free_before = list(bm.free)
+    refs_before = [blk.ref_count for blk in bm.blocks]
+    assert not bm.allocate(b)
+    assert b.block_table == [] and b.num_computed_tokens == 0 and not b.admitted
+    assert list(bm.free) == free_before
+    assert [blk.ref_count for blk in bm.blocks] == refs_before
+    # Exactly enough free is fine.
+    c = make_seq(list(range(60, 64)))      # 1 block
+    assert bm.allocate(c)
+    assert bm.num_free_blocks == 0
+    check_invariants(bm, [a, c])
+
+
+def test_allocate_fails_without_change_when_cache_hit_needs_revival_but_too_few_free():
+    """A cached-but-free block that would be revived counts against the free blocks."""
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(list(range(9)))                 # blocks [0, 1, 2]; 0 and 1 full and published
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free_blocks(a)
+    assert list(bm.free) == [3, 2, 1, 0]
+    hog = make_seq(list(range(500, 508)))        # takes blocks 3 and 2; cached 1 and 0 stay free
+    assert bm.allocate(hog)
+    b = make_seq(list(range(8)) + [77, 78, 79])  # 2 hits to revive + 1 new = 3 > 2 free
+    free_before, hashes_before = list(bm.free), dict(bm.hash_to_block)
+    stat_before = bm.num_cached_tokens
+    assert not bm.allocate(b)
+    assert b.block_table == [] and b.num_computed_tokens == 0 and not b.admitted
+    assert list(bm.free) == free_before and dict(bm.hash_to_block) == hashes_before
+    assert bm.num_cached_tokens == stat_before
+    assert all(bm.blocks[i].ref_count == 0 for i in (0, 1))
+    check_invariants(bm, [hog])
+    # With one more block free it fits, reviving both cached blocks.
+    bm.free_blocks(hog)
+    assert bm.allocate(b)
+    assert b.block_table[:2] == [0, 1] and b.num_computed_tokens == 8
+    check_invariants(bm, [b])
+
+
+# ---------------------------------------------------------------- prefix caching
+
+def test_prefix_hit_after_free_reuses_same_physical_blocks():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prompt = list(range(1, 11))            # 10 tokens: 2 full blocks + 2 tokens
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    assert len(a.block_hashes) == 2
+    a_table, a_hashes = list(a.block_table), list(a.block_hashes)
+    bm.free_blocks(a)
+
+    b = make_seq(prompt[:8] + [99, 98, 97])  # same 2 full blocks, different tail
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 8
+    assert b.num_cached_tokens == 8 and b.admitted
+    assert b.block_table[:2] == a_table[:2]
+    assert len(b.block_table) == 3
+    assert b.block_hashes == a_hashes
+    assert bm.num_cached_tokens == 8
+    check_invariants(bm, [b])
+
+
+def test_last_prompt_token_never_served_from_cache():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prompt = list(range(1, 2 * BS + 1))    # exactly 2 full blocks
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    assert len(a.block_hashes) == 2
+    bm.free_blocks(a)
+
+    b = make_seq(list(prompt))             # identical prompt
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == BS     # only block 0: block 1 holds the last prompt token
+    assert b.num_cached_tokens == BS
+    assert len(b.block_table) == 2
+    assert b.num_computed_tokens < b.num_tokens
+
+    # A 1-block prompt identical to a cached block gets nothing from the cache.
+    bm.free_blocks(b)
+    c = make_seq(prompt[:BS])
+    assert bm.allocate(c)
+    assert c.num_computed_tokens == 0
+
+
+def test_different_token_in_first_block_gives_no_hit_chained_hash():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prompt = list(range(1, 14))            # 3 full blocks + 1
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free_blocks(a)
+
+    changed = list(prompt)
+    changed[0] = 999                       # blocks 1 and 2 identical, block 0 differs
+    b = make_seq(changed)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 0
+    assert b.num_cached_tokens == 0
+
+    # A change in block 1 keeps block 0's hit and stops there.
+    bm.free_blocks(b)
+    changed = list(prompt)
+    changed[BS + 1] = 999
+    c = make_seq(changed)
+    assert bm.allocate(c)
+    assert c.num_computed_tokens == BS
+
+
+def test_hit_on_block_held_by_running_sequence_is_shared():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prefix = list(range(1, 9))             # 2 full blocks
+    a = make_seq(prefix + [50, 51])
+    assert bm.allocate(a)
+    compute_all(bm, a)                     # a keeps running
+    free_before = bm.num_free_blocks
+
+    b = make_seq(prefix + [60, 61, 62])
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]
+    for blk in a.block_table[:2]:
+        assert bm.blocks[blk].ref_count == 2
+    assert bm.num_free_blocks == free_before - 1   # only b's tail block is new
+    check_invariants(bm, [a, b])
+
+    shared = a.block_table[:2]
+    bm.free_blocks(a)
+    for blk in shared:
+        assert bm.blocks[blk].ref_count == 1
+        assert blk not in bm.free
+    check_invariants(bm, [b])
+    bm.free_blocks(b)
+    assert bm.num_free_blocks == bm.num_blocks
+    check_invariants(bm, [])
+
+
+def test_partial_prefill_publishes_only_computed_full_blocks():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    prompt = list(range(1, 14))            # 13 tokens
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    compute_all(bm, a, num_tokens=6)       # first chunk: block 0 full, block 1 half
+    assert len(a.block_hashes) == 1
+    compute_all(bm, a, num_tokens=12)      # second chunk: blocks 1 and 2 full
+    assert len(a.block_hashes) == 3
+    assert len(bm.hash_to_block) == 3
+    bm.free_blocks(a)
+    b = make_seq(prompt)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 12
+
+
+# ---------------------------------------------------------------- LRU reuse and eviction
+
+def test_freed_blocks_reused_least_recently_freed_first():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a = make_seq(list(range(1, 5)))        # 1 block
+    b = make_seq(list(range(11, 15)))      # 1 block
+    c = make_seq(list(range(21, 25)))      # 1 block
+    for s in (a, b, c):
+        assert bm.allocate(s)
+    assert bm.num_free_blocks == 3
+    # Exhaust the never-used blocks so only freed ones remain.
+    filler = make_seq(list(range(100, 112)))
+    assert bm.allocate(filler)
+    assert bm.num_free_blocks == 0
+    ba, bb, bc = a.block_table[0], b.block_table[0], c.block_table[0]
+    bm.free_blocks(b)
+    bm.free_blocks(c)
+    bm.free_blocks(a)
+    assert list(bm.free) == [bb, bc, ba]
+    x = make_seq([900])
+    y = make_seq([901])
+    z = make_seq([902])
+    for s in (x, y, z):
+        assert bm.allocate(s)
+    assert [x.block_table[0], y.block_table[0], z.block_table[0]] == [bb, bc, ba]
+
+
+def test_tail_block_evicted_before_prefix_and_evicted_hash_not_served():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    prompt = list(range(1, 13))            # 3 full blocks
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    b0, b1, b2 = a.block_table
+    h0, h1, h2 = a.block_hashes
+    unused = ({0, 1, 2, 3} - {b0, b1, b2}).pop()
+    bm.free_blocks(a)
+    assert list(bm.free) == [unused, b2, b1, b0]   # tail freed first, so reused first
+
+    # A new 2-block sequence takes the never-used block, then a's tail: its hash is gone,
+    # the prefix blocks survive.
+    other = make_seq([700, 701, 702, 703, 704])
+    assert bm.allocate(other)
+    assert other.block_table == [unused, b2]
+    assert h2 not in bm.hash_to_block
+    assert bm.hash_to_block.get(h0) == b0 and bm.hash_to_block.get(h1) == b1
+    assert bm.blocks[b2].hash is None and bm.blocks[b2].token_ids is None
+
+    # prompt + 1 token could hit 3 blocks; block 2 was evicted, so only 2 hit.
+    bm.free_blocks(other)
+    c = make_seq(prompt + [5])
+    assert bm.allocate(c)
+    assert c.num_computed_tokens == 2 * BS
+    assert c.block_table[:2] == [b0, b1]
+    check_invariants(bm, [c])
+
+    # Evict everything: nothing is served any more.
+    bm.free_blocks(c)
+    hog = make_seq(list(range(800, 816)))
+    assert bm.allocate(hog)
+    assert bm.hash_to_block == {}
+    bm.free_blocks(hog)
+    d = make_seq(prompt + [5])
+    assert bm.allocate(d)
+    assert d.num_computed_tokens == 0
+
+
+def test_revived_block_leaves_free_list():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(list(range(1, 10)))       # 2 full + 1
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free_blocks(a)
+    b = make_seq(list(range(1, 10)))
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 8
+    for blk in b.block_table:
+        assert blk not in bm.free
+    assert bm.num_free_blocks == 1
+    check_invariants(bm, [b])
+
+
+# ---------------------------------------------------------------- hash collisions
+
+def test_hash_collision_does_not_give_false_hit(monkeypatch):
+    """Every block gets the same key: only a block whose tokens really match may be served."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 12345)
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    a = make_seq([1, 2, 3, 4, 5])
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    cached = a.block_table[0]
+    bm.free_blocks(a)
+    b = make_seq([9, 9, 9, 9, 5])
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 0
+    assert cached not in b.block_table
+    c = make_seq([1, 2, 3, 4, 6])
+    assert bm.allocate(c)
+    assert c.num_computed_tokens == BS and c.block_table[0] == cached
+    check_invariants(bm, [b, c])
+
+
+def test_hash_collision_same_block_tokens_different_prefix_is_not_a_hit(monkeypatch):
+    # a hash that forgets the prefix: equal blocks at different positions collide
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)))
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    a = make_seq([5, 5, 5, 5, 1, 2, 3, 4, 0])   # block 1 = [1,2,3,4] computed after prefix [5,5,5,5]
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free_blocks(a)
+    # hash_to_block[hash((1, 2, 3, 4))] now names a's block 1, whose tokens are [1,2,3,4].
+    b = make_seq([1, 2, 3, 4, 0])               # block 0 = [1,2,3,4] at positions 0..3, no prefix
+    assert bm.allocate(b)
+    # a's block 1 holds K/V for positions 4..7 after [5,5,5,5]: serving it here would be wrong.
+    assert b.num_computed_tokens == 0
+
+
+def test_hash_collision_never_puts_one_block_twice_in_a_table(monkeypatch):
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 12345)
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    a = make_seq([1] * 5)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free_blocks(a)
+    b = make_seq([1] * 9)                       # blocks 0 and 1 both equal [1, 1, 1, 1]
+    assert bm.allocate(b)
+    assert len(set(b.block_table)) == len(b.block_table)  # not [0, 0, new] with ref_count 2
+
+
+# ---------------------------------------------------------------- caching off, stats
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=False)
+    prompt = list(range(1, 14))
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    assert a.block_hashes == [] and bm.hash_to_block == {}
+    bm.free_blocks(a)
+    b = make_seq(prompt)
+    assert bm.allocate(b)
+    assert b.num_computed_tokens == 0 and b.num_cached_tokens == 0
+    compute_all(bm, b)
+    # Even while b is running, a third copy shares nothing.
+    c = make_seq(prompt)
+    assert bm.allocate(c)
+    assert c.num_computed_tokens == 0
+    assert not set(b.block_table) & set(c.block_table)
+    assert bm.num_cached_tokens == 0
+    check_invariants(bm, [b, c])
+
+
+def test_num_cached_tokens_stat_accumulates():
+    bm = BlockManager(num_blocks=20, block_size=BS)
+    prefix = list(range(1, 9))             # 2 blocks
+    a = make_seq(prefix + [100])
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    assert bm.num_cached_tokens == 0
+    b = make_seq(prefix + [101])
+    assert bm.allocate(b)
+    assert bm.num_cached_tokens == 8
+    c = make_seq(prefix[:4] + [0, 0, 0, 0, 1])
+    assert bm.allocate(c)
+    assert c.num_cached_tokens == 4
+    assert bm.num_cached_tokens == 12
+    d = make_seq([42] * 9)
+    assert bm.allocate(d)
+    assert bm.num_cached_tokens == 12
+
+
+def test_sequence_num_cached_tokens_fixed_at_first_admission():
+    bm = BlockManager(num_blocks=20, block_size=BS)
+    prompt = list(range(1, 10))
+    a = make_seq(prompt)
+    assert bm.allocate(a)
+    assert a.num_cached_tokens == 0
+    compute_all(bm, a)
+    bm.free_blocks(a)                      # like a preemption: a is re-admitted later
+    assert bm.allocate(a)
+    assert a.num_computed_tokens == 8      # recompute skips its own cached blocks
+    assert a.num_cached_tokens == 0        # but its per-request stat stays the first admission's
+    assert bm.num_cached_tokens == 8
+
+
+# ---------------------------------------------------------------- grow
+
+def test_grow_adds_blocks_only_when_needed():
+    bm = BlockManager(num_blocks=5, block_size=BS)
+    seq = make_seq(list(range(1, 6)))      # 5 tokens: 2 blocks
+    assert bm.allocate(seq)
+    table = list(seq.block_table)
+    assert bm.grow(seq, 8)                 # still fits in 2 blocks
+    assert seq.block_table == table and bm.num_free_blocks == 3
+    assert bm.grow(seq, 5)                 # fewer tokens than covered: no-op
+    assert seq.block_table == table
+    assert bm.grow(seq, 9)                 # needs a 3rd block
+    assert len(seq.block_table) == 3 and seq.block_table[:2] == table
+    assert bm.num_free_blocks == 2
+    new = seq.block_table[2]
+    assert bm.blocks[new].ref_count == 1 and new not in bm.free
+    assert bm.grow(seq, 17)                # 5 blocks: takes the last two
+    assert len(seq.block_table) == 5 and bm.num_free_blocks == 0
+    check_invariants(bm, [seq])
+
+
+def test_grow_fails_without_change_when_none_free():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    seq = make_seq(list(range(1, 9)))      # 2 blocks
+    assert bm.allocate(seq)
+    other = make_seq([1])
+    assert bm.allocate(other)
+    assert bm.num_free_blocks == 0
+    table = list(seq.block_table)
+    assert bm.grow(seq, 8)                 # no block needed: succeeds even with none free
+    assert not bm.grow(seq, 9)
+    assert seq.block_table == table
+    assert bm.num_free_blocks == 0
+    check_invariants(bm, [seq, other])
+    # Needing two when only one is free also fails without taking the one.
+    bm.free_blocks(other)
+    assert not bm.grow(seq, 16)
+    assert seq.block_table == table and bm.num_free_blocks == 1
+    assert bm.grow(seq, 12)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 0
+    check_invariants(bm, [seq])
+
+
+def test_grow_takes_lru_block_and_evicts_its_hash():
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a = make_seq(list(range(1, 9)))        # 2 full blocks
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    a_table, h_tail = list(a.block_table), a.block_hashes[1]
+    tail = a_table[1]
+    bm.free_blocks(a)
+    seq = make_seq([100])
+    assert bm.allocate(seq)                # takes the never-used block first
+    assert seq.block_table[0] not in a_table
+    assert bm.grow(seq, 5)                 # next LRU free block: a's tail
+    assert seq.block_table[1] == tail
+    assert h_tail not in bm.hash_to_block
