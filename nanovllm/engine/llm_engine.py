@@ -37,6 +37,8 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
+        # Throughput counters since start: a step with any prefill tokens counts as prefill time.
+        self.counters = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0}
 
     # ---- requests -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -78,15 +80,20 @@ class LLMEngine:
             seq.finish_reason = "abort"
 
     # ---- running ------------------------------------------------------------------------------
-    def step(self) -> tuple[list[Sequence], int]:
-        """One scheduler iteration. Returns the sequences that finished and the tokens computed."""
+    def step(self) -> list[Sequence]:
+        """One scheduler iteration. Returns the sequences that finished."""
+        start = perf_counter()
         seqs = self.scheduler.schedule()
         assert seqs or self.scheduler.is_finished(), "scheduler made no progress"
         if not seqs:
-            return [], 0
-        sampled = self.model_runner.run(seqs)
+            return []
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        return self.scheduler.postprocess(seqs, sampled), num_tokens
+        sampled = self.model_runner.run(seqs)
+        finished = self.scheduler.postprocess(seqs, sampled)
+        kind = "decode" if num_tokens == len(seqs) else "prefill"
+        self.counters[f"{kind}_tokens"] += num_tokens
+        self.counters[f"{kind}_time_s"] += perf_counter() - start
+        return finished
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -95,7 +102,7 @@ class LLMEngine:
         ids = seq.completion_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return {"text": text, "token_ids": ids, "num_cached_tokens": seq.num_cached_tokens,
-                "finish_reason": seq.finish_reason}
+                "finish_reason": seq.finish_reason, "metrics": seq.metrics()}
 
     def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
         """Complete every prompt; outputs come back in input order.
@@ -121,9 +128,11 @@ class LLMEngine:
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             while pending:
-                start = perf_counter()
-                finished, num_tokens = self.step()
-                bar.set_postfix_str(f"{num_tokens / (perf_counter() - start):.0f} tok/s", refresh=False)
+                finished = self.step()
+                c = self.counters
+                bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
+                                    f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
+                                    refresh=False)
                 done = [seq for seq in finished if seq.seq_id in pending]
                 pending.difference_update(seq.seq_id for seq in done)
                 bar.update(len(done))
@@ -139,4 +148,4 @@ class LLMEngine:
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "num_cached_tokens": self.block_manager.num_cached_tokens}
+                "num_cached_tokens": self.block_manager.num_cached_tokens, **self.counters}

@@ -1,5 +1,6 @@
 from enum import Enum, auto
 from itertools import count
+from time import perf_counter
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -36,9 +37,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.admitted = False                # set at first admission; num_cached_tokens is final then
         self.finish_reason: str | None = None
-
-    def __len__(self):
-        return len(self.token_ids)
+        self.arrival_time = perf_counter()       # perf_counter() seconds
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +60,17 @@ class Sequence:
     @property
     def samples_this_step(self) -> bool:
         return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def metrics(self) -> dict:
+        """Latency of this request: TTFT (arrival to first token) and mean TPOT (time per output
+        token after the first), in seconds; times are perf_counter() values."""
+        ttft = tpot = None
+        if self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival_time
+            if self.finish_time is not None and self.num_completion_tokens > 1:
+                tpot = (self.finish_time - self.first_token_time) / (self.num_completion_tokens - 1)
+        return {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
+                "finish_time": self.finish_time, "ttft_s": ttft, "tpot_s": tpot}
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

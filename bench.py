@@ -1,0 +1,243 @@
+"""Throughput and latency benchmark, with Hugging Face transformers measured in the same run.
+
+    python bench.py                                  # the standard workload (below) on Qwen3-0.6B
+    python bench.py --dummy qwen3-tiny --num-seqs 16 --max-input-len 64 --max-output-len 32 --compare hf
+
+The standard workload is nano-vllm's: random.Random(seed=0); 256 prompts of randint(100, 1024)
+token ids, each randint(0, 10000); then randint(100, 1024) max_tokens per request;
+temperature 0.6, ignore_eos. It asks for exactly 133,966 output tokens.
+Without --model, ~/huggingface/Qwen3-0.6B is used when it exists, else random weights of its
+exact shape (throughput does not depend on the weight values). Machines are noisy: compare
+engines by the ratio measured in one run.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+# Model shapes for --dummy: random weights, no files needed.
+PRESETS = {
+    # Qwen3-0.6B exactly (its config.json), bf16
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16"),
+    # small enough for a CPU smoke run
+    "qwen3-tiny": dict(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
+}
+DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
+MAX_TOKEN_ID = 10000  # prompt token ids are drawn from [0, MAX_TOKEN_ID]
+
+
+def make_workload(num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100, max_output_len=1024,
+                  seed=0, vocab_size=None):
+    """Prompts (token id lists) and max_tokens per request, drawn in nano-vllm's order."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(min_input_len, max_input_len))]
+               for _ in range(num_seqs)]
+    max_tokens = [rng.randint(min_output_len, max_output_len) for _ in range(num_seqs)]
+    if vocab_size is not None and vocab_size <= MAX_TOKEN_ID:  # after drawing: the stream stays the same
+        prompts = [[t % vocab_size for t in p] for p in prompts]
+    return prompts, max_tokens
+
+
+def write_dummy_config(preset: str) -> str:
+    from transformers import Qwen3Config
+    path = tempfile.mkdtemp(prefix=f"nanovllm-{preset}-")
+    config = Qwen3Config(**PRESETS[preset])
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(path)
+    return path
+
+
+def percentiles(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    pick = lambda q: values[min(len(values) - 1, round(q * (len(values) - 1)))]  # noqa: E731
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_nanovllm(args, path, prompts, max_tokens):
+    llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              attention_backend=args.attention_backend)
+    # warm-up (kernels, allocator, graphs): not timed
+    llm.generate([[1] * 16] * 2, SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    before = dict(llm.stats())
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    sync(llm.config.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    sync(llm.config.device)
+    elapsed = time.perf_counter() - start
+    stats = llm.stats()
+    delta = {k: stats[k] - before[k] for k in ("prefill_tokens", "prefill_time_s", "decode_tokens", "decode_time_s")}
+    output_tokens = sum(len(o["token_ids"]) for o in outputs)
+    result = {
+        "output_tokens": output_tokens, "elapsed_s": elapsed, "output_tok_per_s": output_tokens / elapsed,
+        "total_tok_per_s": (output_tokens + sum(map(len, prompts))) / elapsed,
+        "prefill_tok_per_s": delta["prefill_tokens"] / max(delta["prefill_time_s"], 1e-9),
+        "decode_tok_per_s": delta["decode_tokens"] / max(delta["decode_time_s"], 1e-9),
+        "ttft_s": percentiles(o["metrics"]["ttft_s"] for o in outputs),
+        "tpot_s": percentiles(o["metrics"]["tpot_s"] for o in outputs),
+        "device": llm.config.device, "attention_backend": llm.config.attention_backend,
+        "num_preemptions": stats["num_preemptions"],
+    }
+    if hasattr(llm, "shutdown"):
+        llm.shutdown()
+    del llm
+    return result
+
+
+def hf_model(args, path, device):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if args.dummy:  # random weights of the same shape
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def hf_continuous(model, prompts, max_tokens, time_limit):
+    """transformers' continuous batching manager, one max_new_tokens per request."""
+    from transformers import GenerationConfig
+    config = GenerationConfig(do_sample=True, temperature=0.6, eos_token_id=None, max_new_tokens=max(max_tokens))
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+            manager.add_request(p, request_id=str(i), max_new_tokens=n)
+        done, tokens, capped = 0, 0, False
+        while done < len(prompts):
+            if time.perf_counter() - start > time_limit:
+                capped = True
+                break
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+        return tokens, time.perf_counter() - start, capped, "continuous_batching"
+    finally:
+        manager.stop(block=True)
+
+
+@torch.inference_mode()
+def hf_static(model, prompts, max_tokens, batch_size, time_limit, device, show_progress):
+    """Static batches through `generate`, left-padded; counts only the tokens each request asked
+    for (a batch runs until its longest request is done)."""
+    from tqdm.auto import tqdm
+    tokens, capped, start = 0, False, time.perf_counter()
+    order = range(0, len(prompts), batch_size)
+    for i in tqdm(order, desc="HF generate", disable=not show_progress):
+        if i > 0 and time.perf_counter() - start > time_limit:  # the first batch always runs
+            capped = True
+            break
+        batch, wanted = prompts[i:i + batch_size], max_tokens[i:i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+                       max_new_tokens=max(wanted), min_new_tokens=max(wanted), eos_token_id=None, pad_token_id=0)
+        tokens += sum(wanted)
+    sync(device)
+    return tokens, time.perf_counter() - start, capped, f"generate, static batches of {batch_size}"
+
+
+def run_hf(args, path, prompts, max_tokens, device):
+    model = hf_model(args, path, device)
+    result = None
+    if device == "cuda" and hasattr(model, "init_continuous_batching"):
+        try:
+            result = hf_continuous(model, prompts, max_tokens, args.hf_time_limit)
+        except Exception as e:  # noqa: BLE001 - any failure falls back to the always-available path
+            print(f"HF continuous batching failed ({type(e).__name__}: {e}); using static batches", file=sys.stderr)
+    if result is None:
+        result = hf_static(model, prompts, max_tokens, args.hf_batch_size, args.hf_time_limit, device, not args.json)
+    tokens, elapsed, capped, method = result
+    return {"output_tokens": tokens, "elapsed_s": elapsed, "output_tok_per_s": tokens / elapsed,
+            "ttft_s": percentiles([]), "tpot_s": percentiles([]), "capped": capped, "method": method}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Hugging Face model folder")
+    p.add_argument("--dummy", choices=sorted(PRESETS), help="random weights of this preset's shape")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--attention-backend", choices=["flash_attn", "triton", "torch"])
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers and print the ratio")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static-batch baseline")
+    p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = p.parse_args(argv)
+    if args.model and args.dummy:
+        p.error("--model and --dummy are exclusive")
+    if not args.model and not args.dummy:
+        if os.path.isdir(DEFAULT_MODEL):
+            args.model = DEFAULT_MODEL
+        else:
+            args.dummy = "qwen3-0.6b"
+    if not 1 <= args.min_input_len <= args.max_input_len or not 1 <= args.min_output_len <= args.max_output_len:
+        p.error("need 1 <= min length <= max length for inputs and outputs")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    path = args.model or write_dummy_config(args.dummy)
+    from transformers import AutoConfig
+    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    prompts, max_tokens = make_workload(args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
+                                        args.max_output_len, args.seed, vocab_size)
+    result = run_nanovllm(args, path, prompts, max_tokens)
+    result["model"] = args.model or f"dummy:{args.dummy}"
+    result["requested_output_tokens"] = sum(max_tokens)
+    print(f"nanovllm  [{result['model']}, {result['device']}, {result['attention_backend']}]: "
+          f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f}s = "
+          f"{result['output_tok_per_s']:.1f} tok/s (total {result['total_tok_per_s']:.1f} tok/s; "
+          f"prefill {result['prefill_tok_per_s']:.1f}, decode {result['decode_tok_per_s']:.1f} tok/s)")
+    for key in ("ttft_s", "tpot_s"):
+        q = result[key]
+        print(f"  {key[:-2].upper()}: p50 {q['p50'] * 1e3:.1f} ms, p90 {q['p90'] * 1e3:.1f} ms, p99 {q['p99'] * 1e3:.1f} ms")
+    if args.compare == "hf":
+        baseline = run_hf(args, path, prompts, max_tokens, result["device"])
+        result["baseline"] = baseline
+        result["ratio"] = result["output_tok_per_s"] / baseline["output_tok_per_s"]
+        print(f"HF transformers [{baseline['method']}]: {baseline['output_tokens']} output tokens in "
+              f"{baseline['elapsed_s']:.2f}s = {baseline['output_tok_per_s']:.1f} tok/s"
+              f"{' (capped by --hf-time-limit)' if baseline['capped'] else ''}")
+        print(f"ratio nanovllm / HF (output tok/s): {result['ratio']:.2f}x")
+    if args.json:
+        print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""bench.py: the standard workload, and a CPU smoke run against Hugging Face."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
+
+
+def test_default_workload_draws_133966_output_tokens():
+    prompts, max_tokens = bench.make_workload()
+    assert len(prompts) == 256 and sum(max_tokens) == 133_966
+    assert all(100 <= len(p) <= 1024 for p in prompts) and all(0 <= t <= 10_000 for p in prompts for t in p)
+
+
+def test_small_vocab_keeps_the_stream():
+    prompts, max_tokens = bench.make_workload(num_seqs=8, vocab_size=1000)
+    full, full_max = bench.make_workload(num_seqs=8)
+    assert max_tokens == full_max and prompts == [[t % 1000 for t in p] for p in full]
+
+
+def test_cpu_smoke_run_with_hf_baseline(capsys):
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
+                         "--min-output-len", "8", "--max-output-len", "32", "--device", "cpu", "--max-model-len", "256",
+                         "--compare", "hf", "--json"])
+    out = capsys.readouterr().out
+    last = json.loads(out.strip().splitlines()[-1])
+    _, max_tokens = bench.make_workload(16, 16, 64, 8, 32, 0, 16384)
+    assert last["output_tokens"] == result["output_tokens"] == sum(max_tokens)
+    for key in ("ttft_s", "tpot_s"):
+        assert set(last[key]) == {"p50", "p90", "p99"} and last[key]["p50"] > 0
+    assert last["baseline"]["output_tokens"] == sum(max_tokens) and not last["baseline"]["capped"]
+    assert last["ratio"] == last["output_tok_per_s"] / last["baseline"]["output_tok_per_s"]
+    assert "nanovllm" in out and "HF transformers" in out and "ratio nanovllm / HF" in out
+
+
+def test_capped_baseline_reports_what_it_finished(capsys):
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "8", "--min-input-len", "8", "--max-input-len", "16",
+                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "64",
+                         "--compare", "hf", "--hf-batch-size", "2", "--hf-time-limit", "0"])
+    assert result["baseline"]["capped"] and result["baseline"]["output_tokens"] < result["output_tokens"]
+    assert "capped" in capsys.readouterr().out
