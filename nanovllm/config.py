@@ -56,8 +56,6 @@ class Config:
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -84,9 +82,27 @@ class Config:
             raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
         self.dtype = self._resolve_dtype()
+        self._check_tensor_parallel()
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
         if max_positions is not None:
             self.max_model_len = min(self.max_model_len, max_positions)
+
+    def _check_tensor_parallel(self):
+        """Every split the sharded layers make must be exact."""
+        tp, c = self.tensor_parallel_size, self.hf_config
+        if tp == 1:
+            return
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        checks = [("num_attention_heads", c.num_attention_heads, c.num_attention_heads % tp == 0),
+                  ("num_key_value_heads", kv_heads, kv_heads % tp == 0 or tp % kv_heads == 0),
+                  ("vocab_size", c.vocab_size, c.vocab_size % tp == 0),
+                  ("intermediate_size", c.intermediate_size, c.intermediate_size % tp == 0)]
+        for name, value, ok in checks:
+            if not ok:
+                raise ValueError(f"tensor_parallel_size={tp} cannot split the model's {name}={value}: it must be "
+                                 f"divisible by {tp}" + (f" (or divide {tp})" if name == "num_key_value_heads" else ""))
 
     def _resolve_dtype(self) -> torch.dtype:
         dtype = self.dtype

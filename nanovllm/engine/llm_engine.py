@@ -144,8 +144,22 @@ class LLMEngine:
             bar.close()
         return [self.output(seq) for seq in seqs]
 
+    def shutdown(self):
+        """Stop the tensor-parallel worker processes, if any. Idempotent; also run by `with LLM(...)`,
+        garbage collection and interpreter exit."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.shutdown()
+
     def stats(self) -> dict:
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "num_cached_tokens": self.block_manager.num_cached_tokens, **self.counters}
+                "num_cached_tokens": self.block_manager.num_cached_tokens, **self.counters,
+                "tp_message_bytes": self.model_runner.last_message_bytes}

@@ -1,13 +1,19 @@
+import pickle
+
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_batch import BlockTables, StepBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
 from nanovllm.utils.loader import load_dummy, load_model
+from nanovllm.utils.parallel import TPGroup, tensor_parallel
 
 # On CPU there is no memory to measure: without num_kvcache_blocks the KV cache gets this many
 # bytes, capped at what max_num_seqs sequences of max_model_len tokens could ever use.
@@ -15,26 +21,55 @@ CPU_KV_CACHE_BYTES = 2 << 30
 
 
 class ModelRunner:
-    """Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples."""
+    """Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples.
 
-    def __init__(self, config: Config):
+    With tensor parallelism, rank 0's runner (group None: it builds the group and spawns the other
+    ranks) sends each step's `StepBatch` to the workers' runners, and all ranks execute it together.
+    """
+
+    def __init__(self, config: Config, group: TPGroup | None = None):
         self.config = config
         self.block_size = config.block_size
-        self.device = torch.device(config.device)
+        self.workers = None
+        if group is None and config.tensor_parallel_size > 1:
+            from nanovllm.engine.workers import Workers
+            self.workers = Workers(config)
+            group = self.workers.group
+        self.group = group
+        self.rank = group.rank if group is not None else 0
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: Config):
+        if config.device == "cuda":
+            self.device = torch.device("cuda", self.rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
         self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
+        self.tables = BlockTables()
+        self.last_message_bytes = 0
         model_class = resolve_model_class(config.hf_config)
-        with default_dtype_and_device(config.dtype, self.device):
+        with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
             self.model = model_class(config.hf_config, config.max_model_len)
         if config.load_format == "dummy":
             load_dummy(self.model)
         else:
             load_model(self.model, config.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_backend(config.attention_backend)
+        backend = get_backend(config.attention_backend, config.device)
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.graphs = None
+        # The torch backend loops over sequences on the host: it cannot be captured.
+        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
+            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH), config.max_blocks_per_seq,
+                                       config.max_model_len, config.hf_config.hidden_size, config.dtype, self.device)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -56,19 +91,26 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         budget = total * config.gpu_memory_utilization - used_by_others - peak
-        return max(0, int(budget) // self.kv_block_bytes())
+        return max(0, int(budget) // self.kv_block_bytes() - 1)  # - 1: the spare block
 
     def _allocate_kv_cache(self) -> int:
         config = self.config
         num_blocks = self._num_kv_blocks()
+        if self.group is not None:  # every rank must hold the same blocks: take the smallest count
+            count = torch.tensor([num_blocks], device=self.device)
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MIN
+            self.group.pg.allreduce([count], options).wait()
+            num_blocks = int(count.item())
         if num_blocks < config.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
                 f"{config.max_blocks_per_seq} that one sequence of max_model_len={config.max_model_len} "
                 f"tokens needs; raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
         layer = self.attention_layers[0]
-        # [K/V, layer, block, slot in block, kv head, head dim]
-        cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+        # [K/V, layer, block, slot in block, kv head, head dim]. One spare block at the end, never
+        # handed out: slot -1 (CUDA-graph padding rows) writes into its last slot, harmlessly.
+        cache = torch.zeros(2, len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads,
                             layer.head_dim, dtype=config.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
@@ -105,33 +147,29 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata."""
-        input_ids, positions, cu_q, lens_k = [], [], [0], []
-        has_cached_context = False
-        for seq in seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
+        positions, cu_q, lens_k = [], [0], []
+        for start, n in zip(batch.starts, batch.num_new):
             positions.extend(range(start, start + n))
             cu_q.append(cu_q[-1] + n)
             lens_k.append(start + n)
-            has_cached_context |= start > 0
-        width = max(len(seq.block_table) for seq in seqs)
-        block_tables = torch.tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs],
-                                    dtype=torch.int32)                                   # [B, W]
-        pos = torch.tensor(positions, dtype=torch.int64)                                 # [T]
-        rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(cu_q).diff())  # [T] -> sequence
+        tables = [self.tables[seq_id] for seq_id in batch.seq_ids]
+        width = max(map(len, tables))
+        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, W]
+        pos = torch.tensor(positions, dtype=torch.int64)                                                # [T]
+        rows = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(batch.num_new))         # [T] -> seq
         slot_mapping = block_tables[rows, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        logits_indices = [cu_q[i + 1] - 1 for i, seq in enumerate(seqs) if seq.samples_this_step]
-        cu_k = torch.tensor([0] + lens_k).cumsum(0)
+        logits_indices = [cu_q[i + 1] - 1 for i, samples in enumerate(batch.samples) if samples]
         context = Context(
-            cu_seqlens_q=self._to_device(cu_q, torch.int32), cu_seqlens_k=self._to_device(cu_k.int(), torch.int32),
-            seq_lens_k=self._to_device(lens_k, torch.int32), max_seqlen_q=max(cu_q[i + 1] - cu_q[i] for i in range(len(seqs))),
-            max_seqlen_k=max(lens_k), slot_mapping=self._to_device(slot_mapping, torch.int64),
-            block_tables=self._to_device(block_tables, torch.int32) if has_cached_context else None,
+            cu_seqlens_q=self._to_device(cu_q, torch.int32),
+            cu_seqlens_k=self._to_device(torch.tensor([0] + lens_k).cumsum(0).int(), torch.int32),
+            seq_lens_k=self._to_device(lens_k, torch.int32), max_seqlen_q=max(batch.num_new), max_seqlen_k=max(lens_k),
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32) if any(batch.starts) else None,
             logits_indices=self._to_device(logits_indices, torch.int64),
-            decode_only=len(input_ids) == len(seqs), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k)
-        return self._to_device(input_ids, torch.int64), self._to_device(pos, torch.int64), context
+            decode_only=len(positions) == len(tables), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k)
+        return self._to_device(batch.token_ids, torch.int64), self._to_device(pos, torch.int64), context
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [seq.sampling_params for seq in seqs]
@@ -146,14 +184,40 @@ class ModelRunner:
             self._to_device([seq.num_tokens for seq in seqs], torch.int64),  # position of the new token
             filtered=any(p.top_k > 0 or p.top_p < 1 for p in params))
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> list[int]:
-        """Run one step; returns the sampled token of each sequence that samples, in order."""
-        input_ids, positions, context = self.prepare(seqs)
-        sampling = [seq for seq in seqs if seq.samples_this_step]
+        """Run one step (rank 0); returns the sampled token of each sequence that samples, in order."""
+        if self.group is not None and self.workers is None:
+            raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
+        batch = self.tables.encode(seqs)
+        if self.workers is not None:
+            self.last_message_bytes = len(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+            self.workers.call("execute", batch)
+            try:
+                logits = self.execute(batch)
+            except BaseException:  # e.g. Ctrl-C mid-step: the ranks are out of step for good
+                self.close()
+                raise
+        else:
+            logits = self.execute(batch)
+        if logits is None:
+            return []
+        return self.sample(logits, [seq for seq in seqs if seq.samples_this_step]).tolist()
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor | None:
+        """Every rank's share of a step: the forward, and logits on rank 0 when a sequence samples."""
+        if self.rank > 0:
+            self.tables.apply(batch)
+        input_ids, positions, context = self.prepare(batch)
         with forward_context(context):
-            hidden = self.model(input_ids, positions)
-            if not sampling:
-                return []
-            logits = self.model.compute_logits(hidden)
-        return self.sample(logits, sampling).tolist()
+            if self.graphs is not None and self.graphs.can_run(context, len(batch.seq_ids)):
+                hidden = self.graphs.run(input_ids, positions, context)
+            else:
+                hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden) if any(batch.samples) else None
+
+    def close(self):
+        """End the worker processes (rank 0); the runner is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None

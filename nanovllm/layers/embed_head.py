@@ -1,11 +1,10 @@
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import divide
 from nanovllm.utils.context import get_context
-from nanovllm.utils.parallel import tp_rank, tp_size
+from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -13,7 +12,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.num_embeddings = num_embeddings
         self.num_local = divide(num_embeddings, self.tp_size)
         self.vocab_start = self.num_local * self.tp_rank
@@ -29,8 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.num_local)
         y = F.embedding(local.masked_fill(~mine, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(y)
-        return y
+        return self.tp_group.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -47,6 +45,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)  # [S, vocab / tp]
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, dst=0)
-        return torch.cat(parts, -1) if self.tp_rank == 0 else None
+        parts = self.tp_group.gather(logits)
+        return torch.cat(parts, -1) if parts is not None else None

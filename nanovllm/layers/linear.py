@@ -5,11 +5,10 @@ layers split their input features and all-reduce the partial products. Each para
 `weight_loader(param, full_checkpoint_tensor[, shard_id])` that copies this rank's slice into it.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.parallel import tp_rank, tp_size
+from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -20,7 +19,7 @@ def divide(numerator: int, denominator: int) -> int:
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -104,5 +103,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            self.tp_group.all_reduce(y)
         return y

@@ -1,9 +1,68 @@
+"""Tensor-parallel groups, one per engine.
+
+Each engine owns its own process group, built on its own store (no global default group), so
+two engines can live in one process. Layers read the group of the model being built from
+`tensor_parallel(group)` at construction and keep it.
+"""
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
+
+# A collective waiting longer than this means a peer died mid-step: fail instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+class TPGroup:
+    def __init__(self, store: dist.Store, rank: int, size: int, device: str):
+        self.rank, self.size = rank, size
+        if device == "cuda":
+            self.pg = dist.ProcessGroupNCCL(store, rank, size)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.pg.allreduce([t]).wait()
+        return t
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` on rank 0 (None elsewhere)."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
+        self.pg.gather([parts] if self.rank == 0 else [], [t], options).wait()
+        return parts if self.rank == 0 else None
+
+    def barrier(self):
+        self.all_reduce(torch.zeros(1, device="cuda" if isinstance(self.pg, dist.ProcessGroupNCCL) else "cpu"))
+
+    def shutdown(self):
+        if hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
+
+
+_GROUP: TPGroup | None = None
+
+
+@contextmanager
+def tensor_parallel(group: TPGroup | None):
+    """Layers built inside see `group` through tp_rank() / tp_size() / tp_group()."""
+    global _GROUP
+    previous, _GROUP = _GROUP, group
+    try:
+        yield
+    finally:
+        _GROUP = previous
+
+
+def tp_group() -> TPGroup | None:
+    return _GROUP
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return _GROUP.rank if _GROUP is not None else 0
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return _GROUP.size if _GROUP is not None else 1

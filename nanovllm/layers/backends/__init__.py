@@ -6,27 +6,49 @@ A backend is a class with two static methods:
   forward(q, k, v, k_cache, v_cache, context, scale) -> [T, H, D]
                                                     attention of the new queries over each
                                                     sequence's context (cache + new tokens)
+
+flash_attn  flash-attn's varlen / kv-cache kernels (CUDA; needs block_size % 256 == 0)
+triton      our own kernels (CUDA; on CPU they run under the Triton interpreter, slowly: for tests)
+torch       plain PyTorch, any device: the reference the others are tested against
 """
+import importlib.util
+import os
+
 BACKENDS = ("flash_attn", "triton", "torch")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def available_backends(device: str) -> list[str]:
     """The backends that can run on `device`, best first."""
-    return ["torch"]
+    found = [name for name in ("flash_attn", "triton") if _installed(name)]
+    return found + ["torch"]
 
 
 def resolve_backend(name: str | None, device: str) -> str:
+    """The backend to use: the named one if it is available, else (None) the best for device.
+    On CPU the default is torch: the others run there only as integration tests."""
     available = available_backends(device)
     if name is None:
-        return available[0]
+        return available[0] if device == "cuda" else "torch"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be None or one of {BACKENDS}, got {name!r}")
     if name not in available:
-        raise ValueError(f"attention_backend={name!r} is not available on device={device!r}; "
-                         f"available here: {available}")
+        raise ValueError(f"attention_backend={name!r} is not available on device={device!r} "
+                         f"(is the {name} package installed?); available here: {available}")
     return name
 
 
-def get_backend(name: str):
+def get_backend(name: str, device: str):
+    if name == "flash_attn":
+        from nanovllm.layers.backends.flash_attn import FlashAttnBackend
+        return FlashAttnBackend
+    if name == "triton":
+        if device == "cpu":  # Triton reads this when its kernels are defined: set it before the import
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from nanovllm.layers.backends.triton_attn import TritonBackend
+        return TritonBackend
     from nanovllm.layers.backends.torch_ref import TorchBackend
-    return {"torch": TorchBackend}[name]
+    return TorchBackend

@@ -1,0 +1,114 @@
+"""Tensor-parallel ranks 1..N-1: spawned processes that replay rank 0's calls step by step.
+
+Rank 0 (the engine's process) owns a `Workers`: it creates the engine's own rendezvous store on a
+free port, spawns one process per extra rank and sends each a pickled `(method, args)` per call
+over a pipe. The workers run the same ModelRunner method, so the collectives inside the model
+(all-reduce, gather) line up. Workers ignore Ctrl-C (rank 0 decides), and exit when told to,
+when their pipe closes (rank 0 died), or are terminated on close.
+"""
+import multiprocessing as mp
+import signal
+import weakref
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.utils.parallel import TPGroup
+
+STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
+JOIN_TIMEOUT_S = 10                     # a worker told to exit gets this long before it is killed
+
+
+def _worker_main(config: Config, rank: int, store_port: int, conn):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from nanovllm.engine.model_runner import ModelRunner
+    store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
+                          timeout=STORE_TIMEOUT)
+    conn.send("started")
+    group = TPGroup(store, rank, config.tensor_parallel_size, config.device)
+    runner = ModelRunner(config, group)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone
+            break
+        if message is None:
+            break
+        method, args = message
+        getattr(runner, method)(*args)
+    group.shutdown()
+
+
+def _stop(processes, conns):
+    """Ask every worker to exit, then make sure: terminate, kill, and reap (no zombies)."""
+    for conn in conns:
+        try:
+            conn.send(None)
+            conn.close()
+        except (OSError, ValueError):
+            pass
+    for p in processes:
+        p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.terminate()
+            p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class Workers:
+    def __init__(self, config: Config):
+        size = config.tensor_parallel_size
+        # Port 0: the OS picks a free port; each engine has its own store, so engines never collide.
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                   timeout=STORE_TIMEOUT)
+        context = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self.processes, self.conns = [], []
+        for rank in range(1, size):
+            parent, child = context.Pipe()
+            p = context.Process(target=_worker_main, args=(config, rank, self.store.port, child),
+                                name=f"nanovllm-tp-rank{rank}", daemon=True)
+            p.start()
+            child.close()
+            self.processes.append(p)
+            self.conns.append(parent)
+        # Runs at close(), at garbage collection of this object and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns)
+        try:
+            self._wait_started()
+            self.group = TPGroup(self.store, 0, size, config.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_started(self):
+        """Wait for every worker to reach the store, failing fast if one dies on the way (for
+        example a script without an `if __name__ == "__main__":` guard, which spawn re-runs)."""
+        for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            while not conn.poll(0.1):
+                if not p.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel worker rank {rank} exited during start-up (exit code {p.exitcode}); "
+                        "see its error above. Scripts that use tensor_parallel_size > 1 must guard their "
+                        "entry point with `if __name__ == '__main__':`, as spawned processes re-import it")
+            assert conn.recv() == "started"
+
+    def check_alive(self):
+        for rank, p in enumerate(self.processes, start=1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) has died with exit code "
+                                   f"{p.exitcode}; this LLM cannot continue: shut it down and create a new one")
+
+    def call(self, method: str, *args):
+        """Have every worker run `ModelRunner.<method>(*args)`; rank 0 then runs it itself."""
+        self.check_alive()
+        for conn in self.conns:
+            conn.send((method, args))
+
+    def close(self):
+        self._finalizer()
+        if getattr(self, "group", None) is not None:
+            self.group.shutdown()
+            self.group = None

@@ -1,0 +1,30 @@
+"""flash-attn's kernels (CUDA, `pip install flash-attn`): paged varlen attention for steps with
+prefill chunks or cached prefixes, `flash_attn_with_kvcache` for decode-only steps.
+
+flash-attn reads the paged cache in pages of 256 tokens, hence block_size % 256 == 0 (Config
+checks it). Causal masks are aligned to the bottom right: query j of n attends to keys up to
+L - n + j, exactly our convention.
+"""
+from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+from nanovllm.layers.backends.torch_ref import TorchBackend
+from nanovllm.utils.context import Context
+
+
+class FlashAttnBackend:
+    store_kv = staticmethod(TorchBackend.store_kv)  # an index_put; flash-attn has no store kernel
+
+    @staticmethod
+    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float):
+        if context.block_tables is None:  # fresh prompts: the new K/V are the whole context
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
+                                          max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+                                          softmax_scale=scale, causal=True)
+        if context.decode_only:
+            out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.seq_lens_k,
+                                          block_table=context.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=context.cu_seqlens_q,
+                                      cu_seqlens_k=context.cu_seqlens_k, max_seqlen_q=context.max_seqlen_q,
+                                      max_seqlen_k=context.max_seqlen_k, softmax_scale=scale, causal=True,
+                                      block_table=context.block_tables)

@@ -1,0 +1,98 @@
+"""The flash_attn backend's integration, on CPU, against a fake flash_attn module written in
+PyTorch from flash-attn's documented interface (tests/fake_flash_attn)."""
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.backends.torch_ref import TorchBackend
+from nanovllm.utils.context import Context
+
+FAKE = os.path.join(os.path.dirname(__file__), "fake_flash_attn")
+BLOCK = 256
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    monkeypatch.syspath_prepend(FAKE)
+    import flash_attn
+    from nanovllm.layers.backends.flash_attn import FlashAttnBackend
+    flash_attn.CALLS.clear()
+    yield flash_attn, FlashAttnBackend
+    for name in ("flash_attn", "nanovllm.layers.backends.flash_attn"):
+        sys.modules.pop(name, None)
+
+
+def paged_step(q_lens, k_lens, heads=4, kv_heads=2, dim=32, num_blocks=12, seed=0):
+    """Random q for each sequence's new tokens, and a paged cache already holding each sequence's
+    whole context (the new tokens included), through shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(-(-n // BLOCK) for n in k_lens)
+    tables, next_block = [], 0
+    for n in k_lens:
+        used = -(-n // BLOCK)
+        tables.append(perm[next_block:next_block + used] + [-1] * (width - used))
+        next_block += used
+    q = torch.randn(sum(q_lens), heads, dim, generator=g)
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).tolist()
+    cu_k = torch.tensor([0] + k_lens).cumsum(0).tolist()
+    context = Context(cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32), cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32),
+                      seq_lens_k=torch.tensor(k_lens, dtype=torch.int32), max_seqlen_q=max(q_lens),
+                      max_seqlen_k=max(k_lens), block_tables=torch.tensor(tables, dtype=torch.int32),
+                      decode_only=all(n == 1 for n in q_lens), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=k_lens)
+    return q, k_cache, v_cache, context
+
+
+@pytest.mark.parametrize("q_lens, k_lens, expected_call", [
+    ([1, 1, 1], [1, 256, 700], "flash_attn_with_kvcache"),        # decode only
+    ([1, 40, 300], [500, 40, 557], "flash_attn_varlen_func"),    # decode + fresh + chunk over a prefix
+])
+def test_paged_matches_torch_reference(fake_flash_attn, q_lens, k_lens, expected_call):
+    module, backend = fake_flash_attn
+    q, k_cache, v_cache, context = paged_step(q_lens, k_lens)
+    out = backend.forward(q, None, None, k_cache, v_cache, context, 0.125)
+    ref = TorchBackend.forward(q, None, None, k_cache, v_cache, context, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert module.CALLS == [expected_call]
+
+
+def test_fresh_prefill_matches_torch_reference(fake_flash_attn):
+    module, backend = fake_flash_attn
+    g = torch.Generator().manual_seed(1)
+    lens = [5, 1, 33]
+    q, k, v = (torch.randn(sum(lens), h, 16, generator=g) for h in (4, 1, 1))
+    cu = torch.tensor([0] + lens).cumsum(0).tolist()
+    context = Context(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), cu_seqlens_k=torch.tensor(cu, dtype=torch.int32),
+                      seq_lens_k=torch.tensor(lens, dtype=torch.int32), max_seqlen_q=33, max_seqlen_k=33,
+                      cu_seqlens_q_cpu=cu, seq_lens_k_cpu=lens)
+    out = backend.forward(q, k, v, None, None, context, 0.25)
+    torch.testing.assert_close(out, TorchBackend.forward(q, k, v, None, None, context, 0.25), atol=1e-5, rtol=1e-5)
+    assert module.CALLS == ["flash_attn_varlen_func"]
+
+
+def test_engine_with_flash_attn_matches_hf(fake_flash_attn, model_dir, prompts, reference):
+    module, _ = fake_flash_attn
+    llm = LLM(model_dir, attention_backend="flash_attn", max_model_len=400, max_num_batched_tokens=128)
+    assert llm.config.block_size == 256  # the default for flash-attn's pages
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [reference(model_dir, p, 16) for p in prompts]
+    assert {"flash_attn_varlen_func", "flash_attn_with_kvcache"} <= set(module.CALLS)
+
+
+def test_flash_attn_needs_pages_of_256(fake_flash_attn, model_dir):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        LLM(model_dir, attention_backend="flash_attn", kvcache_block_size=16)
+
+
+def test_unavailable_backend_is_a_clear_error(model_dir):
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("the real flash_attn is installed here: nothing to refuse")
+    with pytest.raises(ValueError, match="attention_backend='flash_attn' is not available"):
+        LLM(model_dir, attention_backend="flash_attn")

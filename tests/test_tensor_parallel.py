@@ -1,0 +1,181 @@
+"""Tensor parallelism on CPU (gloo): TP=2 must give Hugging Face's greedy tokens, and the worker
+processes must never outlive their engine."""
+import gc
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_batch import BlockTables
+from nanovllm.utils.tiny_model import build_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_pids(pid=None):
+    """Live or zombie children of `pid` (default: this process), read from /proc."""
+    pid = pid or os.getpid()
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_dir(tmp_path_factory):
+    """Fewer KV heads (1) than ranks (2): each rank holds a copy of it."""
+    return build_model(str(tmp_path_factory.mktemp("qwen3_mqa")), seed=5, num_key_value_heads=1)
+
+
+def check(llm, path, prompts, reference, params=GREEDY):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [reference(path, p, params.max_tokens) for p in prompts]
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+    return outputs
+
+
+def test_tp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
+    shared = list(range(3, 203))
+    with LLM(model_dir, tensor_parallel_size=2, max_model_len=400, max_num_batched_tokens=96,
+             num_kvcache_blocks=30) as llm:
+        check(llm, model_dir, prompts, reference, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        assert llm.stats()["num_preemptions"] > 0
+        check(llm, model_dir, [shared + [1]], reference)
+        later = check(llm, model_dir, [shared + [2], shared + [3]], reference)
+        assert all(o["num_cached_tokens"] > 0 for o in later)
+
+
+def test_tp2_with_fewer_kv_heads_than_ranks(one_kv_head_dir, prompts, reference):
+    with LLM(one_kv_head_dir, tensor_parallel_size=2, max_model_len=400) as llm:
+        check(llm, one_kv_head_dir, prompts, reference)
+
+
+def test_two_engines_at_once_and_shutdown(model_dir, tied_model_dir, prompts, reference):
+    before = set(child_pids())
+    a = LLM(model_dir, tensor_parallel_size=2, max_model_len=400)
+    b = LLM(tied_model_dir, tensor_parallel_size=2, max_model_len=400)
+    workers = set(child_pids()) - before
+    assert len(workers) >= 2
+    check(a, model_dir, prompts[:4], reference)
+    check(b, tied_model_dir, prompts[:4], reference)
+    check(a, model_dir, prompts[4:], reference)
+    a.shutdown()
+    b.shutdown()
+    assert not (set(child_pids()) & workers), "worker processes (or zombies) remain after shutdown()"
+    with pytest.raises(RuntimeError, match="shut down"):
+        a.generate(prompts[:1], GREEDY, use_tqdm=False)
+
+
+def test_exception_inside_with_block_ends_workers(model_dir):
+    before = set(child_pids())
+    with pytest.raises(KeyError):
+        with LLM(model_dir, tensor_parallel_size=2, max_model_len=200):
+            assert set(child_pids()) - before
+            raise KeyError("the caller failed")
+    assert set(child_pids()) <= before
+
+
+def test_garbage_collection_ends_workers(model_dir):
+    before = set(child_pids())
+    llm = LLM(model_dir, tensor_parallel_size=2, max_model_len=200)
+    assert set(child_pids()) - before
+    del llm
+    gc.collect()
+    assert set(child_pids()) <= before
+
+
+def test_dead_worker_is_a_clear_error(model_dir, prompts):
+    before = set(child_pids())
+    llm = LLM(model_dir, tensor_parallel_size=2, max_model_len=200)
+    [worker] = set(child_pids()) - before
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 .* has died"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 5
+    llm.shutdown()
+    assert set(child_pids()) <= before
+
+
+def test_unsplittable_configurations(model_dir):
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        LLM(model_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(model_dir, tensor_parallel_size=0)
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from nanovllm import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM({path!r}, tensor_parallel_size=2, max_model_len=200)
+        print("workers", *[p.pid for p in llm.model_runner.workers.processes], flush=True)
+        if {interrupt}:
+            print("generating", flush=True)
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=150, ignore_eos=True),
+                         use_tqdm=False)
+            time.sleep(60)
+        # else: exit without shutdown(): interpreter exit must end the workers
+""")
+
+
+@pytest.mark.parametrize("interrupt", [False, True])
+def test_interpreter_exit_and_ctrl_c_end_workers(model_dir, tmp_path, interrupt):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(root=ROOT, path=model_dir, interrupt=interrupt))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers = [int(p) for p in proc.stdout.readline().split()[1:]]
+    assert workers and all(alive(p) for p in workers)
+    if interrupt:
+        assert proc.stdout.readline().strip() == "generating"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0 if interrupt else proc.returncode == 0
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in workers), "orphaned worker processes"
+
+
+def test_decode_message_is_small():
+    """A decode step at 256 sequences sends each one's last token, not its prompt or its table."""
+    tables = BlockTables()
+    seqs = []
+    for i in range(256):
+        seq = Sequence(list(range(1000)), GREEDY, seed=0)
+        seq.block_table = list(range(i * 63, i * 63 + 63))
+        seq.num_computed_tokens, seq.num_scheduled_tokens = 999, 1
+        seqs.append(seq)
+    first = len(pickle.dumps(tables.encode(seqs), pickle.HIGHEST_PROTOCOL))  # tables sent whole once
+    for seq in seqs:  # the next decode step: one more token each, no new block
+        seq.token_ids.append(7)
+        seq.num_computed_tokens = 1000
+    decode = len(pickle.dumps(tables.encode(seqs), pickle.HIGHEST_PROTOCOL))
+    print(f"\nTP message: first step {first} bytes, decode step at 256 sequences {decode} bytes")
+    assert decode < 8 * 1024 < first
