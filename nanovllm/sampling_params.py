@@ -1,47 +1,98 @@
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request's completion; validated once, at construction.
+    """How to sample one request's completion, as in vLLM; validated once, at construction.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it before softmax.
     top_k: keep the k most likely tokens (-1: all).  top_p: keep the smallest set of tokens whose
-    probability reaches p (1.0: all).  max_tokens: completion length cap (at least 1).
-    ignore_eos: keep generating past EOS (benchmarks).  seed: makes this request's samples
-    reproducible whatever else shares its batch (None: a seed is drawn from the engine's RNG).
+        probability reaches p (1.0: all).  min_p: drop tokens less likely than min_p times the
+        most likely one (0: off).
+    presence_penalty, frequency_penalty: subtracted from a token's logit once if it occurs in the
+        completion, and once per occurrence ([-2, 2]; 0: off).  repetition_penalty: logits of
+        tokens seen in the prompt or completion are divided by it when positive, multiplied when
+        negative (> 0; 1: off).
+    max_tokens: completion length cap (>= 1).  min_tokens: EOS, stop tokens and stop strings are
+        ignored before this many tokens.  ignore_eos: generate past EOS (benchmarks).
+    stop: strings that end the completion; the text ends before the stop string unless
+        include_stop_str_in_output.  stop_token_ids: token ids that end it.
+    n: number of completions of the prompt (they share the prompt's KV blocks).
+    logprobs: also return, per generated token, the log-probabilities of the chosen token and of
+        the `logprobs` most likely ones, from the model's raw distribution (None: off).
+    seed: makes this request's samples reproducible whatever else shares its batch (None: drawn
+        from the engine's RNG).
     """
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int = 64
+    min_tokens: int = 0
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    logprobs: int | None = None
     seed: int | None = None
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)  # `stop` as a tuple
 
     def __post_init__(self):
-        def check_int(name, value):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
-
-        def check_number(name, value):
+        def number(name, low, high, low_open=False, high_open=False):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
+            too_low = value <= low if low_open else value < low
+            too_high = value >= high if high_open else value > high
+            if math.isnan(value) or too_low or too_high:
+                interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+                raise ValueError(f"SamplingParams.{name} must be in {interval}, got {value}")
 
-        check_number("temperature", self.temperature)
-        if not 0.0 <= self.temperature < float("inf"):
-            raise ValueError(f"SamplingParams.temperature must be >= 0 and finite, got {self.temperature}")
-        check_int("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        check_number("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.seed is not None:
-            check_int("seed", self.seed)
-            if not 0 <= self.seed < 2**63:
-                raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+        def integer(name, low, allow_none=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
+            if value < low:
+                raise ValueError(f"SamplingParams.{name} must be >= {low}, got {value}")
+
+        number("temperature", 0.0, math.inf, high_open=True)
+        integer("top_k", -1)
+        if self.top_k == 0:
+            raise ValueError("SamplingParams.top_k must be -1 (disabled) or >= 1, got 0")
+        number("top_p", 0.0, 1.0, low_open=True)
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, math.inf, low_open=True, high_open=True)
+        integer("max_tokens", 1)
+        integer("min_tokens", 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        integer("n", 1)
+        integer("logprobs", 0, allow_none=True)
+        integer("seed", 0, allow_none=True)
+        if self.seed is not None and self.seed >= 2**63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_strings = tuple(stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple, set)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                              for t in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

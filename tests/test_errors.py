@@ -25,6 +25,17 @@ def llm(model_dir):
     (dict(max_tokens=2.5), TypeError, "max_tokens"),
     (dict(seed=-1), ValueError, "seed"),
     (dict(ignore_eos="yes"), TypeError, "ignore_eos"),
+    (dict(min_p=1.5), ValueError, "min_p"),
+    (dict(presence_penalty=2.5), ValueError, "presence_penalty"),
+    (dict(frequency_penalty=-3), ValueError, "frequency_penalty"),
+    (dict(repetition_penalty=0), ValueError, "repetition_penalty"),
+    (dict(n=0), ValueError, "n must be"),
+    (dict(logprobs=-1), ValueError, "logprobs"),
+    (dict(min_tokens=10, max_tokens=5), ValueError, "min_tokens"),
+    (dict(stop=[""]), ValueError, "stop"),
+    (dict(stop=5), ValueError, "stop"),
+    (dict(stop_token_ids=[-3]), ValueError, "stop_token_ids"),
+    (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output"),
 ])
 def test_bad_sampling_params(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -48,6 +59,13 @@ def test_bad_prompts_leave_engine_usable(llm, prompt, error, match):
     assert not llm.scheduler.waiting and not llm.scheduler.running
     assert llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_stop_strings_need_a_tokenizer(tmp_path):
+    from nanovllm.utils.tiny_model import build_model
+    llm = LLM(build_model(str(tmp_path / "m"), tokenizer=False), max_model_len=64)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[1, 2]], SamplingParams(stop=["x"], max_tokens=8), use_tqdm=False)
 
 
 def test_bad_generate_arguments(llm):

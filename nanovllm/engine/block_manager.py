@@ -51,6 +51,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.num_cached_tokens = 0  # cumulative prefix-cache hits, in tokens
+        self.peak_used_blocks = 0   # most blocks held at once since start
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +119,7 @@ class BlockManager:
         seq.block_hashes = hashes
         seq.num_computed_tokens = len(hit_ids) * self.block_size
         self.num_cached_tokens += seq.num_computed_tokens
+        self._note_usage()
         if not seq.admitted:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.admitted = True
@@ -130,7 +132,11 @@ class BlockManager:
         if num_new > len(self.free):
             return False
         seq.block_table.extend(self._take_free_block() for _ in range(num_new))
+        self._note_usage()
         return True
+
+    def _note_usage(self):
+        self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free))
 
     def cache_full_blocks(self, seq: Sequence):
         """Publish the blocks that seq has completely filled and computed, under their chained keys."""

@@ -6,11 +6,13 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
+SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -58,59 +60,29 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         return ids
 
-    def _make_sequence(self, prompt, sampling_params: SamplingParams) -> Sequence:
-        """Validate one request and build its Sequence; nothing is queued here."""
+    def _make_request(self, prompt, sampling_params: SamplingParams, index: int, stream: bool) -> list[Sequence]:
+        """Validate one request and build its n sample Sequences (samples 2..n ride on the first
+        as forks until its prompt is computed); nothing is queued here."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         ids = self._prompt_ids(prompt)
         if len(ids) + sampling_params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={sampling_params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")
+        if sampling_params.stop_strings and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {self.config.model!r} has none; use stop_token_ids")
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(ids, sampling_params, seed)
+        # each sample gets its own noise stream: seeds spaced by an odd 64-bit constant
+        samples = [Sequence(ids, sampling_params, (seed + j * SAMPLE_SEED_STRIDE) % 2**63, index, j)
+                   for j in range(sampling_params.n)]
+        if self.tokenizer is not None and (stream or sampling_params.stop_strings):
+            for seq in samples:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        samples[0].forks = samples[1:]
+        return samples
 
-    def add_request(self, prompt, sampling_params: SamplingParams) -> Sequence:
-        seq = self._make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq
-
-    def abort(self, seq: Sequence):
-        if not seq.is_finished:
-            self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
-
-    # ---- running ------------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """One scheduler iteration. Returns the sequences that finished."""
-        start = perf_counter()
-        seqs = self.scheduler.schedule()
-        assert seqs or self.scheduler.is_finished(), "scheduler made no progress"
-        if not seqs:
-            return []
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        sampled = self.model_runner.run(seqs)
-        finished = self.scheduler.postprocess(seqs, sampled)
-        kind = "decode" if num_tokens == len(seqs) else "prefill"
-        self.counters[f"{kind}_tokens"] += num_tokens
-        self.counters[f"{kind}_time_s"] += perf_counter() - start
-        return finished
-
-    def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
-
-    def output(self, seq: Sequence) -> dict:
-        ids = seq.completion_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return {"text": text, "token_ids": ids, "num_cached_tokens": seq.num_cached_tokens,
-                "finish_reason": seq.finish_reason, "metrics": seq.metrics()}
-
-    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt; outputs come back in input order.
-
-        prompts: a str, a list of token ids, or a list of either. sampling_params: one
-        SamplingParams for all, or a list with one per prompt. Every request is validated before
-        any is queued, so a bad one leaves the engine untouched.
-        """
+    def _add_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
+        """Normalize generate()/stream() arguments, validate every request, then queue them all."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -121,28 +93,151 @@ class LLMEngine:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         else:
             sampling_params = [sampling_params] * len(prompts)
-        seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        for seq in seqs:
-            self.scheduler.add(seq)
+        requests = [self._make_request(p, sp, i, stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        for samples in requests:
+            self.scheduler.add(samples[0])
+        return requests
+
+    def add_request(self, prompt, sampling_params: SamplingParams) -> list[Sequence]:
+        """Queue one request; returns its n sample Sequences (drive them with step())."""
+        return self._add_requests([prompt], sampling_params, stream=False)[0]
+
+    def abort(self, seq: Sequence):
+        if not seq.is_finished:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    # ---- running ------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One scheduler iteration. Returns the sequences that got a token (finished ones included)."""
+        start = perf_counter()
+        seqs = self.scheduler.schedule()
+        assert seqs or self.scheduler.is_finished(), "scheduler made no progress"
+        if not seqs:
+            return []
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        updated = [seq for seq in seqs if seq.samples_this_step]
+        sampled, logprobs = self.model_runner.run(seqs)
+        self.scheduler.postprocess(seqs, sampled, logprobs)
+        for seq in updated:
+            if seq.detokenizer is not None:
+                self._update_text(seq)
+        kind = "decode" if num_tokens == len(seqs) else "prefill"
+        self.counters[f"{kind}_tokens"] += num_tokens
+        self.counters[f"{kind}_time_s"] += perf_counter() - start
+        return updated
+
+    def _update_text(self, seq: Sequence):
+        """Grow seq.text by its new token; end the sequence at a stop string."""
+        params = seq.sampling_params
+        seen = len(seq.text)
+        seq.text += seq.detokenizer.update(seq.token_ids[-1:], final=seq.is_finished)
+        if not params.stop_strings or seq.num_completion_tokens < params.min_tokens or seq.stop_reason is not None:
+            return
+        start = max(0, seen - max(map(len, params.stop_strings)) + 1)  # a match may begin in older text
+        hits = [(i, stop) for stop in params.stop_strings if (i := seq.text.find(stop, start)) >= 0]
+        if hits:
+            i, stop = min(hits)
+            seq.text = seq.text[:i + len(stop) if params.include_stop_str_in_output else i]
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def _final_text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if isinstance(seq.stop_reason, str):  # cut at a stop string
+            return seq.text
+        ids = seq.completion_token_ids
+        if isinstance(seq.stop_reason, int) and not seq.sampling_params.include_stop_str_in_output:
+            ids = ids[:-1]  # the stop token's own text is left out, as a stop string's is
+        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids)
+
+    def _sample_output(self, seq: Sequence) -> dict:
+        out = {"text": self._final_text(seq), "token_ids": seq.completion_token_ids,
+               "num_cached_tokens": seq.num_cached_tokens, "finish_reason": seq.finish_reason,
+               "stop_reason": seq.stop_reason, "metrics": seq.metrics()}
+        if seq.logprobs is not None:
+            out["logprobs"] = seq.logprobs
+        return out
+
+    def output(self, samples: list[Sequence]) -> dict:
+        """A request's output: the first sample's fields, and with n > 1 all of them in `samples`."""
+        outs = [self._sample_output(seq) for seq in samples]
+        return {**outs[0], "samples": outs} if len(outs) > 1 else outs[0]
+
+    def _run(self, seqs: list[Sequence], bar=None):
+        """Step until every sequence in seqs has finished, yielding each step's updated ones of
+        them. On any exception (or the caller closing the generator) they are aborted, so no
+        half-finished request keeps holding blocks."""
         pending = {seq.seq_id for seq in seqs}
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             while pending:
-                finished = self.step()
-                c = self.counters
-                bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
-                                    f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
-                                    refresh=False)
-                done = [seq for seq in finished if seq.seq_id in pending]
-                pending.difference_update(seq.seq_id for seq in done)
-                bar.update(len(done))
+                updated = [seq for seq in self.step() if seq.seq_id in pending]
+                done = {seq.seq_id for seq in updated if seq.is_finished}
+                pending -= done
+                if bar is not None:
+                    c = self.counters
+                    bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
+                                        f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
+                                        refresh=False)
+                    bar.update(len(done))
+                yield updated
         except BaseException:
-            for seq in seqs:  # leave no half-finished request holding blocks
+            for seq in seqs:
                 self.abort(seq)
             raise
-        finally:
-            bar.close()
-        return [self.output(seq) for seq in seqs]
+
+    def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
+        """Complete every prompt; outputs come back in input order.
+
+        prompts: a str, a list of token ids, or a list of either. sampling_params: one
+        SamplingParams for all, or a list with one per prompt. Every request is validated before
+        any is queued, so a bad one leaves the engine untouched.
+        """
+        requests = self._add_requests(prompts, sampling_params, stream=False)
+        seqs = [seq for samples in requests for seq in samples]
+        with tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            for _ in self._run(seqs, bar):
+                pass
+        return [self.output(samples) for samples in requests]
+
+    def stream(self, prompts, sampling_params):
+        """Like generate(), but yields updates as tokens are produced, while continuous batching
+        runs across all requests: dicts with `index` (the prompt's position), `sample` (which of
+        its n samples), `text` and `token_ids` (what is new since that sample's last update) and
+        `finished`; a sample's last update also has `finish_reason` and `stop_reason`. The `text`
+        pieces of a sample concatenate to generate()'s text."""
+        requests = self._add_requests(prompts, sampling_params, stream=True)
+        for updated in self._run([seq for samples in requests for seq in samples]):
+            for seq in updated:
+                update = self._stream_update(seq)
+                if update is not None:
+                    yield update
+
+    def _stream_update(self, seq: Sequence) -> dict | None:
+        if seq.is_finished:
+            text = self._final_text(seq)
+        elif seq.detokenizer is not None:
+            # hold back what could still turn out to be the start of a stop string
+            held = max(map(len, seq.sampling_params.stop_strings), default=1) - 1
+            text = seq.text[:max(len(seq.text) - held, seq.num_emitted_chars)]
+        else:
+            text = None
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]
+        new_text = text[seq.num_emitted_chars:] if text is not None else None
+        if not new_ids and not new_text and not seq.is_finished:
+            return None
+        seq.num_emitted_tokens += len(new_ids)
+        seq.num_emitted_chars += len(new_text or "")
+        update = {"index": seq.index, "sample": seq.sample_index, "text": new_text, "token_ids": new_ids,
+                  "finished": seq.is_finished}
+        if seq.is_finished:
+            update.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics())
+        return update
 
     def shutdown(self):
         """Stop the tensor-parallel worker processes, if any. Idempotent; also run by `with LLM(...)`,
@@ -161,5 +256,6 @@ class LLMEngine:
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "num_cached_tokens": self.block_manager.num_cached_tokens, **self.counters,
+                "num_cached_tokens": self.block_manager.num_cached_tokens,
+                "peak_used_blocks": self.block_manager.peak_used_blocks, **self.counters,
                 "tp_message_bytes": self.model_runner.last_message_bytes}

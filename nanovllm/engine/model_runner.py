@@ -1,4 +1,5 @@
 import pickle
+from itertools import chain
 
 import torch
 import torch.distributed as dist
@@ -9,7 +10,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import BlockTables, StepBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
 from nanovllm.utils.loader import load_dummy, load_model
@@ -137,7 +138,8 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model(input_ids, positions))
         ones = torch.ones(rows, device=self.device)
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.sampler(logits, ones, zeros - 1, ones, zeros, zeros, filtered=True)
+        self.sampler(logits, SamplingBatch(temperatures=ones, seeds=zeros, positions=zeros, top_ks=zeros - 1,
+                                           top_ps=ones, min_ps=ones * 0, num_logprobs=1))
         del logits
 
     # ---- one step ---------------------------------------------------------------------------
@@ -171,21 +173,62 @@ class ModelRunner:
             decode_only=len(positions) == len(tables), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k)
         return self._to_device(batch.token_ids, torch.int64), self._to_device(pos, torch.int64), context
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
+        """Gather the sampling parameters of the sampling sequences into device tensors."""
         params = [seq.sampling_params for seq in seqs]
-        if all(p.temperature == 0 for p in params):
-            return logits.argmax(-1)
-        return self.sampler(
-            logits,
-            self._to_device([p.temperature for p in params], torch.float32),
-            self._to_device([p.top_k for p in params], torch.int64),
-            self._to_device([p.top_p for p in params], torch.float32),
-            self._to_device([seq.seed for seq in seqs], torch.int64),
-            self._to_device([seq.num_tokens for seq in seqs], torch.int64),  # position of the new token
-            filtered=any(p.top_k > 0 or p.top_p < 1 for p in params))
+        floats = lambda values: self._to_device(values, torch.float32)  # noqa: E731
+        ints = lambda values: self._to_device(values, torch.int64)  # noqa: E731
+        batch = SamplingBatch(temperatures=floats([p.temperature for p in params]), seeds=ints([s.seed for s in seqs]),
+                              positions=ints([s.num_tokens for s in seqs]),
+                              all_greedy=all(p.temperature == 0 for p in params))
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            batch.top_ks, batch.top_ps = ints([p.top_k for p in params]), floats([p.top_p for p in params])
+        if any(p.min_p > 0 for p in params):
+            batch.min_ps = floats([p.min_p for p in params])
+        if any(p.has_penalties for p in params):
+            # [B, V] histograms built on the device from the flat token lists of all rows
+            completion = [seq.completion_token_ids for seq in seqs]
+            rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(c) for c in completion]))
+            counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=self.device)
+            counts.index_put_((ints(rows), ints(list(chain.from_iterable(completion)))),
+                              torch.ones(len(rows), device=self.device), accumulate=True)
+            rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([seq.num_tokens for seq in seqs]))
+            seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=self.device)
+            seen[ints(rows), ints(list(chain.from_iterable(seq.token_ids for seq in seqs)))] = True
+            batch.penalties = (counts, seen, floats([p.presence_penalty for p in params]),
+                               floats([p.frequency_penalty for p in params]),
+                               floats([p.repetition_penalty for p in params]))
+        banned = [(i, t) for i, seq in enumerate(seqs) if seq.num_completion_tokens < seq.sampling_params.min_tokens
+                  for t in seq.stop_ids]  # min_tokens: no stop token can be drawn yet
+        if banned:
+            rows, tokens = zip(*banned)
+            batch.banned = (ints(list(rows)), ints(list(tokens)))
+        if any(p.logprobs is not None for p in params):
+            batch.num_logprobs = max(p.logprobs or 0 for p in params)
+        return batch
 
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        """Run one step (rank 0); returns the sampled token of each sequence that samples, in order."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
+        """Sampled token per sequence, and (when any asked) per-sequence logprob dicts
+        {token_id: logprob} holding the chosen token and the top `logprobs` alternatives."""
+        tokens, logprobs = self.sampler(logits, self.sampling_batch(seqs, logits.shape[-1]))
+        tokens = tokens.tolist()
+        if logprobs is None:
+            return tokens, None
+        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in logprobs)
+        dicts = []
+        for i, seq in enumerate(seqs):
+            k = seq.sampling_params.logprobs
+            if k is None:
+                dicts.append(None)
+                continue
+            d = dict(zip(top_ids[i][:k], top_values[i][:k])) if k else {}
+            d[tokens[i]] = chosen[i]
+            dicts.append(d)
+        return tokens, dicts
+
+    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
+        """Run one step (rank 0); returns the sampled token of each sequence that samples, in order,
+        and their logprob dicts (None when no sequence asked for logprobs)."""
         if self.group is not None and self.workers is None:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
         batch = self.tables.encode(seqs)
@@ -200,8 +243,8 @@ class ModelRunner:
         else:
             logits = self.execute(batch)
         if logits is None:
-            return []
-        return self.sample(logits, [seq for seq in seqs if seq.samples_this_step]).tolist()
+            return [], None
+        return self.sample(logits, [seq for seq in seqs if seq.samples_this_step])
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor | None:

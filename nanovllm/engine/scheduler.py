@@ -28,6 +28,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence):
+        for s in [seq, *seq.forks]:
+            s.stop_ids = set(s.sampling_params.stop_token_ids)
+            if not s.sampling_params.ignore_eos:
+                s.stop_ids |= self.eos_token_ids
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -72,12 +76,13 @@ class Scheduler:
         self.waiting.appendleft(seq)  # victims are popped newest first, so admission order survives
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], sampled: list[int]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], sampled: list[int], logprobs: list[dict] | None = None) -> list[Sequence]:
         """Account for a finished step. `sampled` holds one token per sequence that sampled, in
-        order. Returns the sequences that finished."""
+        order (and `logprobs` their logprob dicts). Returns the sequences that finished."""
         finished = []
         now = perf_counter()
         tokens = iter(sampled)
+        token_logprobs = iter(logprobs) if logprobs is not None else None
         for seq in seqs:
             samples = seq.samples_this_step
             seq.num_computed_tokens += seq.num_scheduled_tokens
@@ -87,11 +92,20 @@ class Scheduler:
                 continue
             token = next(tokens)
             seq.token_ids.append(token)
+            if token_logprobs is not None:
+                entry = next(token_logprobs)
+                if seq.logprobs is not None:
+                    seq.logprobs.append(entry)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if not seq.sampling_params.ignore_eos and token in self.eos_token_ids:
+            if seq.forks:  # the prompt is computed: the other samples now find its blocks cached
+                self.waiting.extendleft(reversed(seq.forks))
+                seq.forks = []
+            params = seq.sampling_params
+            if token in seq.stop_ids and seq.num_completion_tokens >= params.min_tokens:
                 seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.stop_reason = token if token in params.stop_token_ids else None
+            elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 self.finish(seq)
@@ -101,6 +115,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence):
         """Release a sequence from whichever queue holds it (also used to abort a request)."""
+        for fork in seq.forks:  # samples not queued yet (the prompt never finished computing)
+            fork.status, fork.finish_reason, fork.finish_time = SequenceStatus.FINISHED, seq.finish_reason, perf_counter()
+        seq.forks = []
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free_blocks(seq)

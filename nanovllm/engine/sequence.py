@@ -23,8 +23,10 @@ class Sequence:
     """
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int, index: int = 0,
+                 sample_index: int = 0):
         self.seq_id = next(Sequence._ids)
+        self.index, self.sample_index = index, sample_index  # request's place in its call; which of its n samples
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -37,6 +39,13 @@ class Sequence:
         self.num_cached_tokens = 0
         self.admitted = False                # set at first admission; num_cached_tokens is final then
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.stop_ids: set[int] = set()      # tokens that end it (EOS unless ignored, stop_token_ids)
+        self.forks: list[Sequence] = []      # samples 2..n, queued once this one's prompt is computed
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.detokenizer = None              # set when text is needed token by token (stream, stop strings)
+        self.text = ""                       # completion text so far (with a detokenizer)
+        self.num_emitted_tokens = self.num_emitted_chars = 0  # what stream() has yielded
         self.arrival_time = perf_counter()       # perf_counter() seconds
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -1,10 +1,13 @@
-"""Batched sampling on the device: greedy, temperature, top-k and top-p, reproducible per request.
+"""Batched sampling on the device: penalties, greedy, temperature, top-k, top-p and min-p,
+reproducible per request, with optional log-probabilities. No Python loop over rows.
 
-Sampling uses the exponential-race form of the Gumbel-max trick: with E_i ~ Exp(1) independent,
-argmax_i p_i / E_i is distributed as Categorical(p). The noise E is not drawn from a stateful
-generator but computed by hashing (request seed, position, token id), so a request's samples
-depend on its own seed alone, whatever else shares the batch, and on no Python loop over rows.
+Sampling draws one uniform number u per row and takes the first token whose cumulative
+probability reaches u (inverse transform sampling: one pass over the vocabulary). u is not drawn
+from a stateful generator but computed by hashing (request seed, position), so a request's
+samples depend on its own seed alone, whatever else shares the batch, and on no Python loop.
 """
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -22,14 +25,21 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] float32 samples of Exp(1), a pure function of (seed, position, token id).
+def uniform_per_row(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B] float64 in (0, 1) with 48 random bits, a pure function of (seed, position).
     seeds, positions: [B] int64 (seeds in [0, 2**63))."""
     row = _mix32((seeds & _MASK32) ^ _mix32(((seeds >> 32) ^ _mix32(positions & _MASK32)) & _MASK32))
-    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) * _GOLDEN32
-    bits = _mix32((row[:, None] + cols[None, :]) & _MASK32)
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # 24 random bits, strictly in (0, 1)
-    return -torch.log(uniform)
+    high, low = _mix32((row + _GOLDEN32) & _MASK32) >> 8, _mix32(row ^ _GOLDEN32) >> 8  # 24 bits each
+    return ((high << 24) + low).double().add(0.5).mul(2.0 ** -48)
+
+
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Token i with probability probs[i] / sum(probs), per row: the first index where the
+    cumulative sum reaches u * total. Zero-probability tokens are never chosen (their cumulative
+    sum equals their predecessor's, which fell short). probs [B, V] (unnormalized), uniform [B]."""
+    cdf = probs.double().cumsum(-1)
+    target = (uniform * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -43,17 +53,61 @@ def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
     return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
+def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Zero tokens less likely than min_p times the row's most likely token."""
+    return probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties. counts [B, V]: occurrences of each token in the completion; seen [B, V]:
+    whether it occurs in the prompt or the completion; per-row penalties [B]."""
+    scale = torch.where(logits > 0, 1.0 / repetition[:, None], repetition[:, None])
+    logits = torch.where(seen, logits * scale, logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters on the device, [B] each; optional parts are None when no row
+    uses them, so the common case pays for nothing it does not use."""
+    temperatures: torch.Tensor
+    seeds: torch.Tensor                         # int64
+    positions: torch.Tensor                     # int64: position of the token being sampled
+    top_ks: torch.Tensor | None = None          # int64, <= 0: off
+    top_ps: torch.Tensor | None = None
+    min_ps: torch.Tensor | None = None
+    penalties: tuple | None = None              # (counts, seen, presence, frequency, repetition)
+    banned: tuple | None = None                 # (rows, token ids): logits set to -inf (min_tokens)
+    num_logprobs: int | None = None             # top-k log-probabilities to return (max over rows)
+    all_greedy: bool = False                    # no row samples: skip the noise and softmax
+
+
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                top_ps: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                filtered: bool) -> torch.Tensor:
-        """logits [B, V]; per-row parameters [B]; temperature 0 is greedy. `filtered`: whether any
-        row uses top-k/top-p (skips a sort over the vocabulary when none does). Returns [B] ids."""
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch):
+        """logits [B, V] -> (token ids [B], logprobs or None). Greedy rows (temperature 0) take the
+        argmax of the (penalized) logits; logprobs, when asked, come from the raw logits:
+        (chosen token's [B], top-k values [B, k], top-k ids [B, k])."""
         logits = logits.float()
-        greedy = logits.argmax(-1)
-        sampling = temperatures > 0
-        probs = torch.softmax(logits / torch.where(sampling, temperatures, 1.0)[:, None], -1)
-        if filtered:
-            probs = apply_top_k_top_p(probs, top_ks, top_ps)
-        sampled = (probs / exponential_noise(seeds, positions, logits.shape[-1])).argmax(-1)
-        return torch.where(sampling, sampled, greedy)
+        logprobs = None
+        if batch.num_logprobs is not None:
+            raw = torch.log_softmax(logits, -1)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, *batch.penalties)
+        if batch.banned is not None:
+            logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        tokens = logits.argmax(-1)
+        if not batch.all_greedy:
+            sampling = batch.temperatures > 0
+            probs = torch.softmax(logits / torch.where(sampling, batch.temperatures, 1.0)[:, None], -1)
+            if batch.top_ks is not None:
+                probs = apply_top_k_top_p(probs, batch.top_ks, batch.top_ps)
+            if batch.min_ps is not None:
+                probs = apply_min_p(probs, batch.min_ps)
+            sampled = sample_from(probs, uniform_per_row(batch.seeds, batch.positions))
+            tokens = torch.where(sampling, sampled, tokens)
+        if batch.num_logprobs is not None:
+            top = raw.topk(batch.num_logprobs, -1) if batch.num_logprobs > 0 else None
+            logprobs = (raw.gather(-1, tokens[:, None])[:, 0], top.values if top else None,
+                        top.indices if top else None)
+        return tokens, logprobs

@@ -1,0 +1,74 @@
+"""Micro-benchmark: the sampler's cost per decode step (default: batch 256, vocab 151,936, CPU).
+
+    python scripts/bench_sampler.py [--batch 256] [--vocab 151936] [--device cpu] [--iters 5]
+
+Times ModelRunner.sampling_batch + Sampler for a decode step in several configurations and
+prints each one's time and its cost over plain greedy argmax.
+"""
+import argparse
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
+from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.layers.sampler import Sampler  # noqa: E402
+
+CONFIGS = {
+    "greedy": dict(temperature=0),
+    "temperature": dict(temperature=0.8),
+    "temperature+top_p": dict(temperature=0.8, top_p=0.9),
+    "temperature+top_k+top_p+min_p": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
+    "temperature+penalties": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+    "all of the above": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+                             frequency_penalty=0.5, repetition_penalty=1.1),
+}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--iters", type=int, default=5)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    # only what sampling_batch reads: the device and host->device copies
+    runner = SimpleNamespace(device=device, pin=device.type == "cuda")
+    runner._to_device = ModelRunner._to_device.__get__(runner)
+    sampler = Sampler()
+    logits = torch.randn(args.batch, args.vocab, device=device)
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+    for name, params in CONFIGS.items():
+        seqs = []
+        for i in range(args.batch):
+            ids = torch.randint(0, args.vocab, (args.prompt_len + args.output_len,), generator=gen).tolist()
+            seq = Sequence(ids[:args.prompt_len], SamplingParams(max_tokens=4096, **params), seed=i)
+            seq.token_ids.extend(ids[args.prompt_len:])
+            seqs.append(seq)
+        times = []
+        for _ in range(args.iters + 1):  # the first call warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens, _ = sampler(logits, ModelRunner.sampling_batch(runner, seqs, args.vocab))
+            tokens.tolist()
+            times.append(time.perf_counter() - start)
+        results[name] = min(times[1:])
+    base = results["greedy"]
+    print(f"sampler, batch {args.batch}, vocab {args.vocab}, {args.device}: best of {args.iters}")
+    for name, t in results.items():
+        print(f"  {name:32s} {t * 1e3:8.2f} ms/step  (+{(t - base) * 1e3:7.2f} ms over greedy)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
