@@ -73,8 +73,12 @@ class Config:
             self.hf_config = AutoConfig.from_pretrained(self.model)
         except Exception as e:  # an unknown model_type, a broken config.json, ...
             raise ValueError(f"cannot read {self.model}/config.json: {e}") from e
+        max_positions = getattr(self.hf_config, "max_position_embeddings", None)
+        if max_positions is not None:
+            self.max_model_len = min(self.max_model_len, max_positions)
         from nanovllm.models import resolve_model_class
-        resolve_model_class(self.hf_config)  # raises ValueError for an unsupported architecture
+        # ValueError for an unsupported architecture or option (a sliding window < max_model_len)
+        resolve_model_class(self.hf_config, self.max_model_len)
 
         from nanovllm.layers.backends import resolve_backend
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
@@ -83,9 +87,6 @@ class Config:
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
         self.dtype = self._resolve_dtype()
         self._check_tensor_parallel()
-        max_positions = getattr(self.hf_config, "max_position_embeddings", None)
-        if max_positions is not None:
-            self.max_model_len = min(self.max_model_len, max_positions)
 
     def _check_tensor_parallel(self):
         """Every split the sharded layers make must be exact."""

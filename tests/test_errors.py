@@ -117,3 +117,16 @@ def test_missing_weights(model_dir, tmp_path):
         LLM(str(folder))
     llm = LLM(str(folder), load_format="dummy", max_model_len=64)  # random weights need no files
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 8
+
+
+def test_checkpoint_with_unknown_tensors(model_dir, tmp_path):
+    """A tensor the model has no parameter for (say, a bias config.json does not mention) must not be
+    dropped silently."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "extra"
+    shutil.copytree(model_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.0.self_attn.o_proj.bias"] = weights["model.norm.weight"].clone()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="o_proj.bias"):
+        LLM(str(folder), max_model_len=64)

@@ -53,7 +53,7 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
         self.tables = BlockTables()
         self.last_message_bytes = 0
-        model_class = resolve_model_class(config.hf_config)
+        model_class = resolve_model_class(config.hf_config, config.max_model_len)
         with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
             self.model = model_class(config.hf_config, config.max_model_len)
         if config.load_format == "dummy":

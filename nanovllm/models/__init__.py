@@ -3,16 +3,22 @@ from transformers import PretrainedConfig
 
 
 def _registry() -> dict:
+    from nanovllm.models.llama import LlamaForCausalLM
+    from nanovllm.models.mistral import MistralForCausalLM
+    from nanovllm.models.qwen2 import Qwen2ForCausalLM
     from nanovllm.models.qwen3 import Qwen3ForCausalLM
-    return {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+    return {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
 
 
-def resolve_model_class(hf_config: PretrainedConfig):
+def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None = None):
+    """The class for hf_config, after its check_config: ValueError for an unsupported architecture
+    or option. Options that depend on the sequence length (a sliding window) are checked only when
+    max_model_len is given; the model's constructor checks them again with its max_position."""
     architectures = getattr(hf_config, "architectures", None) or []
     registry = _registry()
     if not architectures or architectures[0] not in registry:
         name = architectures[0] if architectures else None
         raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(registry)}")
     model_class = registry[architectures[0]]
-    model_class.check_config(hf_config)
+    model_class.check_config(hf_config, max_model_len)
     return model_class

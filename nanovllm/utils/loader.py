@@ -6,6 +6,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+# Checkpoint tensors that hold no weights: old checkpoints saved RoPE's inverse frequencies.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 # Dummy weights: small uniform values keep activations finite through any depth; throughput does
 # not depend on the values.
 DUMMY_WEIGHT_RANGE = 1e-3
@@ -20,7 +22,8 @@ def load_model(model: nn.Module, path: str):
 
     Checkpoint names are Hugging Face's; `packed_modules_mapping` redirects the parts of packed
     matrices (q/k/v, gate/up) to the packed parameter with their shard id. Raises ValueError when
-    a parameter gets no weight.
+    a parameter gets no weight, or a checkpoint tensor has no parameter to go to (a model option
+    this implementation does not know would otherwise be silently dropped).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -28,6 +31,7 @@ def load_model(model: nn.Module, path: str):
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    unexpected: list[str] = []
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
@@ -37,12 +41,19 @@ def load_model(model: nn.Module, path: str):
                         if target in params:
                             params[target].weight_loader(params[target], f.get_tensor(name), shard_id)
                             loaded.add(target)
+                        else:
+                            unexpected.append(name)
                         break
                 else:
                     if name in params:
                         param = params[name]
                         getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name))
                         loaded.add(name)
+                    elif not name.endswith(IGNORED_TENSOR_SUFFIXES):
+                        unexpected.append(name)
+    if unexpected:
+        raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: {unexpected[:5]}"
+                         f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
     shared = {n for n, p in params.items() if any(p is params[m] for m in loaded)}  # tied weights
     missing = sorted(set(params) - loaded - shared)
     if missing:

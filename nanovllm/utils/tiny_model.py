@@ -33,14 +33,27 @@ def build_tokenizer(path: str, vocab_size: int = 400):
     return fast
 
 
+# arch -> (Hugging Face config class, model class). Every family gets the same tiny sizes; what
+# distinguishes one (biases, rope scaling, sliding window, ...) comes from its config class's
+# defaults or from **overrides.
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
 def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, **overrides) -> str:
-    """Write a tiny random-weight model of family `arch` to `path`; returns path.
+    """Write a tiny random-weight model of family `arch` (a key of FAMILIES) to `path`; returns path.
 
     Weights are drawn with a larger spread than real checkpoints (initializer_range 0.2) so the
     logits are far apart and greedy decoding is robust to float rounding differences.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; known: {sorted(FAMILIES)}")
     os.makedirs(path, exist_ok=True)
     eos_id = None
     if tokenizer:
@@ -50,10 +63,14 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
                     initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,
                     dtype="float32")
     settings.update(overrides)
-    config_class, model_class = {"qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    config_class, model_class = (getattr(transformers, name) for name in FAMILIES[arch])
     config = config_class(**settings)
     config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
+    with torch.no_grad():  # transformers zeroes biases at init, which would leave their code paths untested
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
     model.save_pretrained(path)
     return path
