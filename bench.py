@@ -76,7 +76,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
     llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
     # warm-up (kernels, allocator, graphs): not timed
     llm.generate([[1] * 16] * 2, SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True), use_tqdm=False)
     before = dict(llm.stats())
@@ -99,8 +99,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
         "num_preemptions": stats["num_preemptions"],
     }
-    if hasattr(llm, "shutdown"):
-        llm.shutdown()
+    llm.shutdown()
     del llm
     return result
 
@@ -192,6 +191,7 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--attention-backend", choices=["flash_attn", "triton", "torch"])
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static-batch baseline")
     p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")
