@@ -34,9 +34,6 @@ class TPGroup:
         self.pg.gather([parts] if self.rank == 0 else [], [t], options).wait()
         return parts if self.rank == 0 else None
 
-    def barrier(self):
-        self.all_reduce(torch.zeros(1, device="cuda" if isinstance(self.pg, dist.ProcessGroupNCCL) else "cpu"))
-
     def shutdown(self):
         if hasattr(self.pg, "shutdown"):
             self.pg.shutdown()
