@@ -17,7 +17,7 @@ from nanovllm.utils.loader import load_dummy, load_model
 from nanovllm.utils.parallel import TPGroup, tensor_parallel
 
 # On CPU there is no memory to measure: without num_kvcache_blocks the KV cache gets this many
-# bytes, capped at what max_num_seqs sequences of max_model_len tokens could ever use.
+# bytes (capped, like the GPU's budget, at what max_num_seqs full-length sequences could use).
 CPU_KV_CACHE_BYTES = 2 << 30
 
 
@@ -82,8 +82,10 @@ class ModelRunner:
         config = self.config
         if config.num_kvcache_blocks is not None:
             return config.num_kvcache_blocks
+        # never more than max_num_seqs sequences of max_model_len tokens could hold at once
+        most_useful = config.max_num_seqs * config.max_blocks_per_seq
         if self.device.type == "cpu":
-            return min(CPU_KV_CACHE_BYTES // self.kv_block_bytes(), config.max_num_seqs * config.max_blocks_per_seq)
+            return min(CPU_KV_CACHE_BYTES // self.kv_block_bytes(), most_useful)
         # CUDA: what the largest step needs besides the KV cache is measured by running it.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -92,7 +94,7 @@ class ModelRunner:
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         budget = total * config.gpu_memory_utilization - used_by_others - peak
-        return max(0, int(budget) // self.kv_block_bytes() - 1)  # - 1: the spare block
+        return min(max(0, int(budget) // self.kv_block_bytes() - 1), most_useful)  # - 1: the spare block
 
     def _allocate_kv_cache(self) -> int:
         config = self.config
