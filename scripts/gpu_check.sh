@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the lent GPU machine should run, in one go and in under 8 minutes:
-#   1. the gpu-marked tests and the Triton kernel tests on the device,
+#   1. the gpu-marked tests, and the Triton kernel tests (compiled, on GPU tensors),
 #   2. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens),
 #   3. bench.py on the default workload, with the Hugging Face baseline capped in time.
 # Runs from the source tree (no install, no network). The log goes to $OUT/gpu_check.log
@@ -21,8 +21,9 @@ run() {  # run STEP_NAME TIMEOUT_S CMD...: time-boxed, never stops the script
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-run "gpu tests" 200 python -m pytest -q -rs -m gpu tests/
-run "decode kernel micro-benchmark" 60 python scripts/bench_decode_attention.py --batch 256 --context 1024
-run "bench.py default workload vs HF" 200 python bench.py --compare hf --hf-time-limit 60 --json
+run "gpu tests" 120 python -m pytest -q -rs -m gpu tests/
+run "triton kernels on the GPU" 90 python -m pytest -q -rs tests/test_triton_backend.py
+run "decode kernel micro-benchmark" 60 python scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
+run "bench.py default workload vs HF" 180 python bench.py --compare hf --hf-time-limit 60 --json
 echo "=== gpu_check exit status $status"
 exit $status

@@ -1,0 +1,401 @@
+"""The Triton backend: our own kernels for the paged KV cache.
+
+Three kernels and one reduction:
+  _store_kv_kernel   copies each new token's K and V ([Hkv, D]) to cache slot slot_mapping[t],
+                     a few tokens per program; a slot of -1 (CUDA-graph padding) is skipped.
+  _prefill_kernel    flash-attention (online softmax, fp32) over tiles of BLOCK_M rows x BLOCK_N
+                     keys, for steps with multi-token queries: either over the fresh K/V (no
+                     sequence has cached context) or over the paged cache (prefill chunks after a
+                     cached prefix, mixed with decode rows). GQA-aware: the BLOCK_M rows of a
+                     program are (query, head-in-group) pairs of ONE kv head, so each K/V tile is
+                     loaded once for the whole group of H/Hkv query heads.
+  _decode_kernel     split-KV decode for decode-only steps, grid (B, Hkv, num_splits): a program
+                     takes all H/Hkv query heads of one kv head (padded to >= 16 rows for tl.dot)
+                     and one share of the context; it writes a partial (max, sum, acc) per split
+  _reduce_kernel     and this combines the splits (skipped when num_splits == 1).
+
+The decode path never reads a device value on the host, so a CUDA graph can capture it:
+num_splits comes from shapes only (see decode_num_splits) and each split reads its sequence's
+length from device memory, taking an equal share of it in whole tiles.
+
+Softmax runs in base 2 (exp2 of scores pre-multiplied by scale * log2(e)). The running max starts
+at a large negative *finite* number, so a row that has seen no valid key yet gets
+exp2(-inf - NEG_BIG) = 0 and alpha = exp2(0) = 1 instead of NaN from (-inf) - (-inf).
+
+Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on
+CPU tensors through Triton's interpreter; that is how the tests check them against TorchBackend.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.utils.context import Context
+
+LOG2E = 1.4426950408889634     # exp(x) == exp2(x * log2(e))
+# Finite stand-in for -inf as the initial running max (see above). A constexpr, because
+# @triton.jit code may only read globals that are constexprs (compiled Triton >= 3.2 enforces it).
+NEG_BIG = tl.constexpr(-1.0e30)
+
+# Tile sizes. tl.dot operands need >= 16 rows and columns on NVIDIA GPUs, so every tile has.
+# Chosen by compiling for sm_90 (no GPU at hand to time them): with these, ptxas reports no
+# register spills for bf16/fp16 at head_dim 64 and 128 (prefill ~190 registers and 80 KB shared
+# memory at D=128, decode ~110 registers and 39 KB).
+PREFILL_BLOCK_M = 64           # (query, head-in-group) rows per prefill program
+PREFILL_BLOCK_N = 64           # keys per inner iteration
+# fp32 operands take the exact ("ieee") FMA path rather than tensor cores; 64x64 tiles spill
+# kilobytes there, 32x16 at most 0.5 KB. fp32 is for tests, not serving.
+PREFILL_BLOCK_M_FP32 = 32
+PREFILL_BLOCK_N_FP32 = 16
+PREFILL_BLOCK_N_WIDE_HEADS = 32  # head_dim > 128: halves the K/V tiles (no spills at D=256, 96 KB shared)
+DECODE_BLOCK_N = 64            # keys per decode iteration (K and V tiles of 64 x D)
+STORE_KV_ELEMENTS = 4096       # elements of K (and of V) per store_kv program: 32 per thread of 4 warps
+MIN_DOT_ROWS = 16              # the decode kernel pads its H/Hkv query heads to this many rows
+MAX_HEAD_DIM = 256             # Q, K and V tiles of BLOCK_D columns must fit in registers/shared memory
+
+# Split-KV heuristic (decode_num_splits). A decode step with few sequences has too few
+# (sequence, kv head) programs to fill the GPU; splitting each context into num_splits shares
+# multiplies the programs, at the cost of a reduction pass.
+DEFAULT_NUM_SMS = 132          # H100/H200 SXM; used where the device cannot be asked (CPU/interpreter)
+TARGET_WAVES = 2               # aim for this many programs per SM, so stragglers balance out
+MIN_KEYS_PER_SPLIT = 128       # a share shorter than two tiles is not worth its partial-result traffic
+MAX_SPLITS = 64                # bounds the reduce kernel's tile and the partial-result buffers
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+                     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+                     s_kcb, s_kcs, s_kch, s_kcd, s_vcb, s_vcs, s_vch, s_vcd,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T),): BLOCK_T tokens x all (kv head, dim) pairs, flattened to one axis."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1)       # int64; -1 = padding row: skip
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    hd = tl.arange(0, BLOCK_H * BLOCK_D)
+    h = hd // BLOCK_D
+    d = hd % BLOCK_D
+    mask = (slot >= 0)[:, None] & ((h < NUM_KV_HEADS) & (d < HEAD_DIM))[None, :]
+    t = t.to(tl.int64)
+    k = tl.load(k_ptr + t[:, None] * s_kt + (h * s_kh + d * s_kd)[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t[:, None] * s_vt + (h * s_vh + d * s_vd)[None, :], mask=mask, other=0.0)
+    tl.store(k_cache_ptr + (blk * s_kcb + off * s_kcs)[:, None] + (h * s_kch + d * s_kcd)[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + (blk * s_vcb + off * s_vcs)[:, None] + (h * s_vch + d * s_vcd)[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
+                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
+                    s_k0, s_k1, s_kh, s_kd, s_v0, s_v1, s_vh, s_vd, s_bt,
+                    scale_log2,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (cdiv(max_seqlen_q * GROUP, BLOCK_M), B, Hkv).
+
+    PAGED: K/V are caches [num_blocks, block_size, Hkv, D] (s_k0 = block stride, s_k1 = slot
+    stride) read through block table row b; the context length is seq_lens[b].
+    Not PAGED: K/V are the step's new rows [T, Hkv, D] (s_k1 = row stride, s_k0 unused); the
+    context is the sequence's own new rows, cu_q[b] .. cu_q[b+1].
+    """
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    n = tl.load(cu_q_ptr + b + 1) - q_start              # new queries of sequence b
+    if PAGED:
+        length = tl.load(seq_lens_ptr + b)               # context length (cached + new)
+    else:
+        length = n
+    if pid_m * BLOCK_M < n * GROUP:                      # programs past this sequence's rows idle
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        qi = rows // GROUP                               # query index within the sequence
+        head = kvh * GROUP + rows % GROUP                # query head
+        row_ok = qi < n
+        q_pos = length - n + qi                          # its position; it sees keys 0 .. q_pos
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q_rows = (q_start + qi).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, n - 1)
+        kv_end = length - n + last_q + 1                 # keys past the tile's last query are masked anyway
+        for start_n in range(0, kv_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_end
+            if PAGED:
+                blk = tl.load(bt_ptr + b * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+                k_rows = blk * s_k0 + (offs_n % BLOCK_SIZE) * s_k1
+                v_rows = blk * s_v0 + (offs_n % BLOCK_SIZE) * s_v1
+            else:
+                k_rows = (q_start + offs_n).to(tl.int64) * s_k1
+                v_rows = (q_start + offs_n).to(tl.int64) * s_v1
+            kt = tl.load(k_ptr + k_rows[None, :] + kvh * s_kh + offs_d[:, None] * s_kd,
+                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)              # [BLOCK_D, BLOCK_N]
+            qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_M, BLOCK_N]
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))       # finite: m_i starts at NEG_BIG
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(v_ptr + v_rows[:, None] + kvh * s_vh + offs_d[None, :] * s_vd,
+                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)              # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
+                   seq_lens_ptr, bt_ptr,
+                   s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
+                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_bt,
+                   s_mb, s_mh, s_ms,                     # mid_m / mid_l [B, H, S]; mid_o [B, H, S, BLOCK_D]
+                   scale_log2, num_splits,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   SPLIT_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (B, Hkv, num_splits); row b of q is sequence b's only query, at position length-1.
+
+    num_splits is a runtime value, not a constexpr: eager steps' block tables widen as contexts
+    grow, and a constexpr would compile a new variant for every split count. SPLIT_KV
+    (num_splits > 1) selects writing partials for _reduce_kernel over writing `out` directly."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(seq_lens_ptr + b)                   # 0 for CUDA-graph padding rows
+    # This split's keys: an equal share of the context, in whole tiles, so no split is empty
+    # unless the context has fewer tiles than there are splits.
+    tiles_per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kvh * GROUP + g                               # the query heads sharing kv head kvh
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row = b.to(tl.int64)
+    q = tl.load(q_ptr + row * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        blk = tl.load(bt_ptr + b * s_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=-1)
+        n_ok = n_ok & (blk >= 0)                         # never follow a -1 (unused) table entry
+        blk = blk.to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        kt = tl.load(k_cache_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh + offs_d[:, None] * s_kd,
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)                  # [BLOCK_D, BLOCK_N]
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2              # [BLOCK_G, BLOCK_N]
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_cache_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + offs_d[None, :] * s_vd,
+                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT_KV:
+        mid = row * s_mb + head * s_mh + split * s_ms                                # [BLOCK_G]
+        tl.store(mid_m_ptr + mid, m_i, mask=g_ok)
+        tl.store(mid_l_ptr + mid, l_i, mask=g_ok)
+        tl.store(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
+                   s_ot, s_oh, s_od, s_mb, s_mh, s_ms, num_splits,
+                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Grid (B, H): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    mid = b * s_mb + h * s_mh + s * s_ms
+    m = tl.load(mid_m_ptr + mid, mask=s_ok, other=NEG_BIG)
+    l = tl.load(mid_l_ptr + mid, mask=s_ok, other=0.0)
+    acc = tl.load(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))                        # empty splits: m = NEG_BIG, l = 0, acc = 0
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (host-side metadata, no sync)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """How many shares each decode context is split into, from shapes only (CUDA-graph safe).
+
+    max_context bounds every context (block-table width * block_size). Enough splits that
+    batch * num_kv_heads * splits reaches TARGET_WAVES programs per SM, but no share shorter
+    than MIN_KEYS_PER_SPLIT of the bound, and at most MAX_SPLITS. E.g. on 132 SMs with 8 kv
+    heads: batch 1 over 4096 tokens -> 32 splits; batch 8 -> 5; batch >= 33 -> 1 (no reduce).
+    """
+    want = triton.cdiv(TARGET_WAVES * num_sms, max(1, batch * num_kv_heads))
+    cap = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 operands would otherwise go through TF32 on NVIDIA GPUs (10-bit mantissa)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"triton attention supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}")
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim))    # non-powers of two are masked
+
+
+def _check(q: torch.Tensor, k: torch.Tensor | None, context: Context) -> tuple[int, int, int]:
+    """(H, Hkv, D), after checking what the kernels rely on. k: [T, Hkv, D] or a cache [.., Hkv, D]."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[-2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != k head_dim {k.shape[-1]}")
+    if context.cu_seqlens_q is None:
+        raise ValueError("triton attention needs context.cu_seqlens_q")
+    return num_heads, num_kv_heads, head_dim
+
+
+def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: torch.Tensor):
+    num_heads, num_kv_heads, head_dim = _check(q, k if k is not None else k_cache, context)
+    group = num_heads // num_kv_heads
+    batch = context.cu_seqlens_q.shape[0] - 1
+    paged = context.block_tables is not None
+    if paged:
+        if k_cache is None:
+            raise ValueError("context.block_tables is set but the attention layer has no KV cache")
+        key, value, block_size, bt = k_cache, v_cache, k_cache.shape[1], context.block_tables
+        ks, vs, s_bt = k_cache.stride(), v_cache.stride(), bt.stride(0)
+        seq_lens = context.seq_lens_k
+    else:                                   # the new rows are the whole context
+        key, value, block_size, bt = k, v, 1, context.cu_seqlens_q                   # bt unused
+        ks, vs, s_bt = (0,) + k.stride(), (0,) + v.stride(), 0
+        seq_lens = context.cu_seqlens_q                                              # unused
+    block_m, block_n = ((PREFILL_BLOCK_M_FP32, PREFILL_BLOCK_N_FP32) if q.dtype == torch.float32
+                        else (PREFILL_BLOCK_M, PREFILL_BLOCK_N))
+    block_d = _block_d(head_dim)
+    if block_d > 128:                       # D=256: 64-key tiles need 160 KB of shared memory and spill
+        block_n = min(block_n, PREFILL_BLOCK_N_WIDE_HEADS)
+    max_q = context.max_seqlen_q if context.max_seqlen_q > 0 else q.shape[0]
+    grid = (triton.cdiv(max_q * group, block_m), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        q, key, value, out, context.cu_seqlens_q, seq_lens, bt,
+        *q.stride(), *out.stride(), *ks, *vs, s_bt,
+        scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGED=paged,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+    return out
+
+
+def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: torch.Tensor | None = None,
+           num_splits: int | None = None) -> torch.Tensor:
+    """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
+
+    No host sync, no device value read: safe under CUDA-graph capture. num_splits=None picks
+    decode_num_splits(...) from the shapes; tests pass it explicitly.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"decode needs one query row per sequence: q has {batch} rows, "
+                         f"block_tables {block_tables.shape[0]}")
+    group = num_heads // num_kv_heads
+    block_d = _block_d(head_dim)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
+    if num_splits > 1:
+        mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        mid_l = torch.empty_like(mid_m)
+        mid_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+    else:                                   # the kernel writes `out` directly; these are not touched
+        mid_m = mid_l = mid_o = out
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        num_heads * num_splits, num_splits, 1,
+        scale * LOG2E, num_splits,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1,
+        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+    if num_splits > 1:
+        _reduce_kernel[(batch, num_heads)](
+            out, mid_o, mid_m, mid_l, *out.stride(), num_heads * num_splits, num_splits, 1, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+class TritonBackend:
+    @staticmethod
+    def store_kv(k, v, k_cache, v_cache, slot_mapping):
+        """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (int64, -1 = skip)."""
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+        block_t = max(1, STORE_KV_ELEMENTS // (block_h * block_d))
+        _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+            k, v, k_cache, v_cache, slot_mapping, num_tokens,
+            *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+            num_warps=4)
+
+    @staticmethod
+    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchBackend.forward."""
+        _check(q, k if k is not None else k_cache, context)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] == 0:
+            return out
+        if context.decode_only and context.block_tables is not None:
+            if k_cache is None:
+                raise ValueError("context.block_tables is set but the attention layer has no KV cache")
+            return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out)
+        return _prefill(q, k, v, k_cache, v_cache, context, scale, out)

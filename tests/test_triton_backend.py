@@ -1,0 +1,392 @@
+"""The Triton attention backend against the torch reference.
+
+Without CUDA the kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, which
+@triton.jit reads when nanovllm.layers.backends.triton_attn is imported, so it is set before
+that). On a CUDA machine the variable is left alone and the same tests run the compiled kernels
+on the GPU; setting it there would make every later import of the backend in this pytest
+process interpreted, GPU tests included. Sizes are small: the interpreter is slow.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is not installed: the Triton attention backend is untested here")
+
+from nanovllm.layers.backends import triton_attn  # noqa: E402
+from nanovllm.layers.backends.torch_ref import TorchBackend  # noqa: E402
+from nanovllm.layers.backends.triton_attn import TritonBackend, decode, decode_num_splits  # noqa: E402
+from nanovllm.utils.context import Context  # noqa: E402
+
+# Ask the module, not the environment: it may have been imported before this file set the variable.
+INTERPRETED = type(triton_attn._decode_kernel).__name__ == "InterpretedFunction"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("the Triton backend was imported compiled (TRITON_INTERPRET off) and there is no CUDA device",
+                allow_module_level=True)
+
+if INTERPRETED:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    @triton.jit
+    def _count_to(x_ptr):
+        n = tl.load(x_ptr)
+        count = 0
+        for _ in range(0, n, 1):                      # a loop bound read from memory, as the kernels have
+            count += 1
+        tl.store(x_ptr, count)
+
+    def _interpreter_runs_loaded_loop_bounds() -> bool:
+        """Older interpreters (triton 3.6) call int() on a 1-element array for such a bound, which
+        numpy >= 2.4 refuses; triton 3.9 squeezes it first."""
+        x = torch.tensor([3], dtype=torch.int32)
+        try:
+            _count_to[(1,)](x)
+        except Exception:
+            return False
+        return x.item() == 3
+
+    if not _interpreter_runs_loaded_loop_bounds():
+        import numpy
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run loops with bounds loaded from memory "
+                    f"under numpy {numpy.__version__} (fixed in newer triton)", allow_module_level=True)
+
+ATOL, RTOL = 2e-5, 1e-4          # float32; the kernels accumulate in fp32 like the reference
+
+
+@pytest.fixture(autouse=True)
+def interpreter_tiles(request, monkeypatch):
+    """fp32 prefill uses 32 x 16 tiles (what compiles without spills on the GPU's exact-fp32 path);
+    the interpreter's cost is per tile, so most tests here run fp32 on the bf16 tiles (64 x 64).
+    Tests decorated with @gpu_tiles keep the real ones. The masking logic is the same for both."""
+    if INTERPRETED and not getattr(request.function, "gpu_tiles", False):
+        monkeypatch.setattr(triton_attn, "PREFILL_BLOCK_M_FP32", triton_attn.PREFILL_BLOCK_M)
+        monkeypatch.setattr(triton_attn, "PREFILL_BLOCK_N_FP32", triton_attn.PREFILL_BLOCK_N)
+
+
+def gpu_tiles(test):
+    test.gpu_tiles = True
+    return test
+
+
+def assert_close(out, ref, atol=ATOL, rtol=RTOL):
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+
+
+# ---- building steps -----------------------------------------------------------------------------
+class PagedCache:
+    """Random K/V caches [num_blocks, block_size, Hkv, D] and, per sequence, a block table drawn
+    from a random permutation of the physical blocks (spare blocks hold garbage too)."""
+
+    def __init__(self, lens, block_size, num_kv_heads, head_dim, gen, dtype=torch.float32, spare_blocks=3):
+        self.block_size = block_size
+        blocks_per_seq = [max(1, -(-n // block_size)) for n in lens]
+        num_blocks = sum(blocks_per_seq) + spare_blocks
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.randn(shape, generator=gen).to(dtype)
+        self.v = torch.randn(shape, generator=gen).to(dtype)
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        width = max(blocks_per_seq) + 1                      # always at least one -1 column
+        self.tables = torch.full((len(lens), width), -1, dtype=torch.int32)
+        for i, nb in enumerate(blocks_per_seq):
+            self.tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+
+    def slots(self, seq: int, positions) -> list[int]:
+        bs = self.block_size
+        return [int(self.tables[seq, p // bs]) * bs + p % bs for p in positions]
+
+    def to(self, device):
+        self.k, self.v, self.tables = self.k.to(device), self.v.to(device), self.tables.to(device)
+        return self
+
+
+def make_context(new_lens, ctx_lens, block_tables=None, slot_mapping=None, device=DEVICE) -> Context:
+    """Every field the model runner fills: B sequences, new_lens[i] new tokens over ctx_lens[i] in all."""
+    cu_q, cu_k = [0], [0]
+    for n, length in zip(new_lens, ctx_lens):
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + length)
+    i32 = dict(dtype=torch.int32, device=device)
+    return Context(
+        cu_seqlens_q=torch.tensor(cu_q, **i32), cu_seqlens_k=torch.tensor(cu_k, **i32),
+        seq_lens_k=torch.tensor(ctx_lens, **i32), max_seqlen_q=max(new_lens), max_seqlen_k=max(ctx_lens),
+        slot_mapping=None if slot_mapping is None else torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        block_tables=None if block_tables is None else block_tables.to(device),
+        decode_only=all(n == 1 for n in new_lens), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=list(ctx_lens))
+
+
+def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, gen, dtype=torch.float32, q_scale=1.0):
+    """q [T, H, D], k, v [T, Hkv, D] as strided views of one packed [T, (H + 2 Hkv) * D] tensor,
+    the way a fused qkv projection hands them over."""
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q * q_scale
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+def reference(q, k, v, cache, context, scale):
+    """TorchBackend on CPU (it loops over sequences with the *_cpu fields)."""
+    ctx = make_context([b - a for a, b in zip(context.cu_seqlens_q_cpu, context.cu_seqlens_q_cpu[1:])],
+                       context.seq_lens_k_cpu, None if context.block_tables is None else context.block_tables.cpu(),
+                       device="cpu")
+    return TorchBackend.forward(q.cpu().float(), k.cpu().float(), v.cpu().float(),
+                                None if cache is None else cache.k.cpu().float(),
+                                None if cache is None else cache.v.cpu().float(), ctx, scale)
+
+
+# ---- store_kv -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size, num_kv_heads, head_dim", [(1, 2, 16), (8, 2, 64), (16, 4, 128), (256, 1, 64)])
+def test_store_kv_writes_slots_and_skips_minus_one(block_size, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, num_tokens = 6, 20
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    _, k, v = qkv_views(num_tokens, 2, num_kv_heads, head_dim, gen)      # strided, like the model's
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    if len(slots) < num_tokens:                                          # block_size 1: fewer slots than tokens
+        slots = torch.cat([slots, torch.full((num_tokens - len(slots),), -1)])
+    slots[[0, 7, num_tokens - 1]] = -1                                   # CUDA-graph padding rows
+    slots = slots.to(DEVICE)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    TorchBackend.store_kv(k[keep], v[keep], expect_k, expect_v, slots[keep])
+    TritonBackend.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
+def test_store_kv_with_no_tokens_is_a_no_op():
+    cache = torch.zeros(2, 16, 2, 64, device=DEVICE)
+    empty = torch.zeros(0, 2, 64, device=DEVICE)
+    TritonBackend.store_kv(empty, empty, cache, cache, torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    assert not cache.any()
+
+
+# ---- decode -------------------------------------------------------------------------------------
+def decode_lens(block_size):
+    """1 token, exactly one block, one block + 1, and a few blocks, in one batch."""
+    if block_size >= 256:
+        return [1, block_size, block_size + 1, 40, 2 * block_size + 37]
+    return [1, block_size, block_size + 1, 3 * block_size + 5, 150]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(num_heads * 1000 + num_kv_heads * 100 + head_dim + block_size)
+    lens = decode_lens(block_size)
+    cache = PagedCache(lens, block_size, num_kv_heads, head_dim, gen).to(DEVICE)
+    q, k, v = qkv_views(len(lens), num_heads, num_kv_heads, head_dim, gen, q_scale=2.0)
+    context = make_context([1] * len(lens), lens, cache.tables)
+    assert context.decode_only
+    scale = head_dim ** -0.5
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, reference(q, k, v, cache, context, scale))
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(1, 16), (8, 16), (8, 32)])
+def test_decode_small_blocks(block_size, head_dim):
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    lens = [1, block_size, block_size + 1, 37, 70]
+    cache = PagedCache(lens, block_size, 2, head_dim, gen).to(DEVICE)
+    q, k, v = qkv_views(len(lens), 4, 2, head_dim, gen)
+    context = make_context([1] * len(lens), lens, cache.tables)
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.3)
+    assert_close(out, reference(q, k, v, cache, context, 0.3))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_decode_split_counts_agree(num_splits):
+    """Any number of splits, including more splits than a context has tiles (empty splits)."""
+    gen = torch.Generator().manual_seed(num_splits)
+    lens = [1, 16, 17, 64, 65, 300]
+    cache = PagedCache(lens, 16, 2, 64, gen).to(DEVICE)
+    q, k, v = qkv_views(len(lens), 8, 2, 64, gen, q_scale=3.0)
+    context = make_context([1] * len(lens), lens, cache.tables)
+    out = decode(q, cache.k, cache.v, context.seq_lens_k, context.block_tables, 0.125, num_splits=num_splits)
+    assert_close(out, reference(q, k, v, cache, context, 0.125))
+
+
+def test_decode_cuda_graph_padding_rows():
+    """Padded rows of a captured batch: context length 0, block-table row all -1, slot -1.
+    The real rows are exact and the padded ones finite (zeros), whatever the split count."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 33, 100]
+    cache = PagedCache(lens, 16, 2, 64, gen).to(DEVICE)
+    q, k, v = qkv_views(len(lens) + 2, 4, 2, 64, gen)
+    tables = torch.cat([cache.tables.cpu(), torch.full((2, cache.tables.shape[1]), -1, dtype=torch.int32)])
+    seq_lens = torch.tensor(lens + [0, 0], dtype=torch.int32, device=DEVICE)
+    ref = reference(q[:3], k[:3], v[:3], cache, make_context([1] * 3, lens, cache.tables), 0.125)
+    for num_splits in (1, 4):
+        out = decode(q, cache.k, cache.v, seq_lens, tables.to(DEVICE), 0.125, num_splits=num_splits)
+        assert_close(out[:3], ref)
+        assert torch.equal(out[3:].cpu(), torch.zeros_like(out[3:].cpu()))
+
+
+def test_decode_num_splits_heuristic():
+    # few sequences: split to fill ~2 programs per SM, within the bound's share limit
+    assert decode_num_splits(1, 8, 4096, 132) == 32
+    assert decode_num_splits(8, 8, 4096, 132) == 5
+    # many sequences fill the GPU already: no split, no reduce pass
+    assert decode_num_splits(256, 8, 4096, 132) == 1
+    assert decode_num_splits(33, 8, 4096, 132) == 1
+    # short bound: at most max_context // 128 shares; never below 1, never above MAX_SPLITS
+    assert decode_num_splits(1, 1, 300, 132) == 2
+    assert decode_num_splits(1, 1, 16, 132) == 1
+    assert decode_num_splits(1, 1, 1 << 20, 132) == triton_attn.MAX_SPLITS
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_prefill_fresh_kv(num_heads, num_kv_heads, head_dim):
+    """No cached context: block_tables is None and the new K/V are each sequence's whole context."""
+    gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + head_dim)
+    lens = [1, 7, 33, 64, 90]
+    q, k, v = qkv_views(sum(lens), num_heads, num_kv_heads, head_dim, gen, q_scale=2.0)
+    context = make_context(lens, lens)
+    scale = head_dim ** -0.5
+    out = TritonBackend.forward(q, k, v, None, None, context, scale)
+    assert_close(out, reference(q, k, v, None, context, scale))
+
+
+def test_decode_only_step_without_cached_context():
+    """The first step of one-token prompts: decode_only, yet block_tables is None."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = qkv_views(4, 4, 2, 64, gen)
+    context = make_context([1] * 4, [1] * 4)
+    assert context.decode_only and context.block_tables is None
+    out = TritonBackend.forward(q, k, v, None, None, context, 0.125)
+    assert_close(out, reference(q, k, v, None, context, 0.125))
+
+
+# Every pair of (GQA ratio, head_dim, block_size) values appears in one of these: the full product
+# costs twice as long under the interpreter and finds nothing the pairs do not.
+MIXED_CASES = [(4, 4, 64, 16), (4, 4, 128, 256), (4, 2, 64, 256), (4, 2, 128, 16), (8, 2, 64, 16), (8, 2, 128, 256)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", MIXED_CASES)
+def test_mixed_step_over_paged_cache(num_heads, num_kv_heads, head_dim, block_size):
+    """Prefill chunks after cached prefixes, a prompt with no cache, and decode rows, in one step:
+    store_kv first, then attention through the block tables (decode_only is False)."""
+    gen = torch.Generator().manual_seed(num_heads * 7 + num_kv_heads * 5 + head_dim + block_size)
+    cached = [0, block_size, 3, 0, block_size + 1, min(2 * block_size - 1, block_size + 60), 70]
+    new = [30, 17, 1, 1, 1, 20, 37]            # rows 2-4 are decode rows; row 3 a 1-token prompt
+    lens = [c + n for c, n in zip(cached, new)]
+    cache = PagedCache(lens, block_size, num_kv_heads, head_dim, gen).to(DEVICE)
+    q, k, v = qkv_views(sum(new), num_heads, num_kv_heads, head_dim, gen, q_scale=2.0)
+    slots = [s for i, (c, n) in enumerate(zip(cached, new)) for s in cache.slots(i, range(c, c + n))]
+    context = make_context(new, lens, cache.tables, slots)
+    assert not context.decode_only
+    TritonBackend.store_kv(k, v, cache.k, cache.v, context.slot_mapping)
+    scale = head_dim ** -0.5
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, scale)
+    assert_close(out, reference(q, k, v, cache, context, scale))
+
+
+def test_head_dim_and_block_size_not_powers_of_two():
+    """head_dim 48 (masked to a 64-wide tile) and block_size 12: store, mixed step, decode."""
+    test_mixed_step_over_paged_cache(6, 2, 48, 12)
+    test_decode_small_blocks(12, 48)
+
+
+def test_head_dim_256():
+    """head_dim above 128 takes narrower prefill key tiles (PREFILL_BLOCK_N_WIDE_HEADS)."""
+    gen = torch.Generator().manual_seed(256)
+    lens = [3, 40]
+    q, k, v = qkv_views(sum(lens), 4, 2, 256, gen)
+    context = make_context(lens, lens)
+    out = TritonBackend.forward(q, k, v, None, None, context, 256 ** -0.5)
+    assert_close(out, reference(q, k, v, None, context, 256 ** -0.5))
+    cache = PagedCache(lens, 16, 2, 256, gen).to(DEVICE)
+    context = make_context([1, 1], lens, cache.tables)
+    out = TritonBackend.forward(q[:2], None, None, cache.k, cache.v, context, 0.1)
+    assert_close(out, reference(q[:2], k[:2], v[:2], cache, context, 0.1))
+
+
+@gpu_tiles
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (8, 2, 128)])
+def test_mixed_step_with_fp32_tiles(num_heads, num_kv_heads, head_dim):
+    """The mixed step again, on the 32 x 16 tiles fp32 really uses (block_size 16 < BLOCK_M)."""
+    test_mixed_step_over_paged_cache(num_heads, num_kv_heads, head_dim, 16)
+
+
+def test_store_then_decode_through_both_backends():
+    """One decode step end to end: each backend stores the new token and attends; same result."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [16, 17, 200]
+    cache = PagedCache(lens, 16, 2, 64, gen).to(DEVICE)
+    q, k, v = qkv_views(len(lens), 4, 2, 64, gen)
+    slots = [cache.slots(i, [n - 1])[0] for i, n in enumerate(lens)]
+    context = make_context([1] * 3, lens, cache.tables, slots)
+    ref_k, ref_v = cache.k.cpu().clone(), cache.v.cpu().clone()
+    TorchBackend.store_kv(k.cpu(), v.cpu(), ref_k, ref_v, context.slot_mapping.cpu())
+    TritonBackend.store_kv(k, v, cache.k, cache.v, context.slot_mapping)
+    assert torch.equal(cache.k.cpu(), ref_k) and torch.equal(cache.v.cpu(), ref_v)
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.125)
+    assert_close(out, reference(q, k, v, cache, context, 0.125))
+
+
+def test_half_precision_inputs():
+    """fp16 in, fp16 out, fp32 accumulation: within fp16 rounding of the fp32 reference."""
+    gen = torch.Generator().manual_seed(5)
+    cached, new = [0, 20, 40], [12, 1, 9]
+    lens = [c + n for c, n in zip(cached, new)]
+    cache = PagedCache(lens, 16, 2, 64, gen, dtype=torch.float16).to(DEVICE)
+    q, k, v = qkv_views(sum(new), 4, 2, 64, gen, dtype=torch.float16)
+    slots = [s for i, (c, n) in enumerate(zip(cached, new)) for s in cache.slots(i, range(c, c + n))]
+    context = make_context(new, lens, cache.tables, slots)
+    TritonBackend.store_kv(k, v, cache.k, cache.v, context.slot_mapping)
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.125)
+    assert out.dtype == torch.float16
+    assert_close(out, reference(q, k, v, cache, context, 0.125), atol=2e-3, rtol=1e-2)
+    dec = decode(q[[11, 12, 21]], cache.k, cache.v, context.seq_lens_k, context.block_tables, 0.125, num_splits=2)
+    assert_close(dec, out[[11, 12, 21]], atol=2e-3, rtol=1e-2)
+
+
+def test_bad_shapes_are_value_errors():
+    q = torch.zeros(2, 6, 64, device=DEVICE)
+    k = torch.zeros(2, 4, 64, device=DEVICE)
+    context = make_context([2], [2])
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TritonBackend.forward(q, k, k, None, None, context, 1.0)
+    q, k = torch.zeros(2, 2, 512, device=DEVICE), torch.zeros(2, 2, 512, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim"):
+        TritonBackend.forward(q, k, k, None, None, context, 1.0)
+
+
+# ---- the benchmark script -----------------------------------------------------------------------
+def test_bench_decode_attention_cpu_smoke(capsys):
+    if DEVICE != "cpu":
+        pytest.skip("the CPU smoke run is for interpreter machines")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_decode_attention
+    result = bench_decode_attention.main(["--device", "cpu", "--batch", "3", "--context", "40", "--num-heads", "4",
+                                          "--num-kv-heads", "2", "--head-dim", "32", "--block-size", "16",
+                                          "--dtype", "float32", "--iters", "1"])
+    out = capsys.readouterr().out
+    assert result["check_ok"] and result["kv_bytes"] == 2 * 3 * 40 * 2 * 32 * 4
+    assert result["time_per_call_s"] > 0 and result["copy_bandwidth_gbs"] > 0
+    assert "GB/s" in out and "max abs error" in out
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the engine-level CPU run needs the interpreter; test_gpu.py covers CUDA")
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_engine_on_cpu_with_triton_matches_hf(model_dir, prompts, reference, block_size):
+    """LLM(device="cpu", attention_backend="triton"): chunked prefill, mixed steps, prefix-cache
+    hits and decode, all through the interpreted kernels; greedy tokens equal Hugging Face's."""
+    from nanovllm import LLM, SamplingParams
+    llm = LLM(model_dir, device="cpu", attention_backend="triton", kvcache_block_size=block_size, max_model_len=400,
+              max_num_batched_tokens=64)
+    chosen = [prompts[0], prompts[3], prompts[5], prompts[5][:40] + [7, 7]]  # the last one hits the cache
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(chosen, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [reference(model_dir, p, 8) for p in chosen]
+    assert llm.stats()["num_cached_tokens"] > 0
