@@ -59,19 +59,18 @@ def test_penalties_match_direct_computation():
     prompt = [[1, 2], [3], [0]]
     completion = [[2, 2, 5], [], [9, 0, 9, 9]]
     presence, frequency, repetition = [0.5, 0.0, -1.0], [0.3, 1.0, 0.2], [1.3, 1.0, 0.7]
-    counts = torch.zeros(3, 10)
-    seen = torch.zeros(3, 10, dtype=torch.bool)
     expected = logits.clone()
     for i in range(3):
-        for t in completion[i]:
-            counts[i, t] += 1
         for t in set(prompt[i] + completion[i]):
-            seen[i, t] = True
             x = expected[i, t]
             expected[i, t] = x / repetition[i] if x > 0 else x * repetition[i]
         for t in set(completion[i]):
             expected[i, t] -= presence[i] + frequency[i] * completion[i].count(t)
-    got = apply_penalties(logits, counts, seen, torch.tensor(presence), torch.tensor(frequency), torch.tensor(repetition))
+    pairs = lambda lists: (torch.tensor([i for i, l in enumerate(lists) for _ in l]),  # noqa: E731
+                           torch.tensor([t for l in lists for t in l]))
+    seen = pairs([p + c for p, c in zip(prompt, completion)])
+    got = apply_penalties(logits, seen, pairs(completion), torch.tensor(presence), torch.tensor(frequency),
+                          torch.tensor(repetition))
     torch.testing.assert_close(got, expected)
 
 

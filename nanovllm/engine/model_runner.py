@@ -188,16 +188,13 @@ class ModelRunner:
         if any(p.min_p > 0 for p in params):
             batch.min_ps = floats([p.min_p for p in params])
         if any(p.has_penalties for p in params):
-            # [B, V] histograms built on the device from the flat token lists of all rows
+            # (row, token) pairs of the flat token lists of all rows: the penalties touch only these
             completion = [seq.completion_token_ids for seq in seqs]
-            rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(c) for c in completion]))
-            counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=self.device)
-            counts.index_put_((ints(rows), ints(list(chain.from_iterable(completion)))),
-                              torch.ones(len(rows), device=self.device), accumulate=True)
-            rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([seq.num_tokens for seq in seqs]))
-            seen = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=self.device)
-            seen[ints(rows), ints(list(chain.from_iterable(seq.token_ids for seq in seqs)))] = True
-            batch.penalties = (counts, seen, floats([p.presence_penalty for p in params]),
+            out_rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(c) for c in completion]))
+            seen_rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([seq.num_tokens for seq in seqs]))
+            batch.penalties = ((ints(seen_rows), ints(list(chain.from_iterable(seq.token_ids for seq in seqs)))),
+                               (ints(out_rows), ints(list(chain.from_iterable(completion)))),
+                               floats([p.presence_penalty for p in params]),
                                floats([p.frequency_penalty for p in params]),
                                floats([p.repetition_penalty for p in params]))
         banned = [(i, t) for i, seq in enumerate(seqs) if seq.num_completion_tokens < seq.sampling_params.min_tokens

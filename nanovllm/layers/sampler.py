@@ -58,13 +58,26 @@ def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties. counts [B, V]: occurrences of each token in the completion; seen [B, V]:
-    whether it occurs in the prompt or the completion; per-row penalties [B]."""
-    scale = torch.where(logits > 0, 1.0 / repetition[:, None], repetition[:, None])
-    logits = torch.where(seen, logits * scale, logits)
-    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+def apply_penalties(logits: torch.Tensor, seen: tuple[torch.Tensor, torch.Tensor],
+                    generated: tuple[torch.Tensor, torch.Tensor], presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties, touching only the logits of tokens that occurred (O(tokens), not O(B x V)).
+
+    seen: (rows, token ids) of every prompt and completion token; generated: (rows, token ids) of
+    every completion token, one entry per occurrence. Per-row penalties [B]. The repetition
+    penalty divides positive logits of seen tokens and multiplies negative ones; then each
+    completion token loses frequency per occurrence and presence once.
+    """
+    logits = logits.clone()
+    rows, cols = seen
+    x = logits[rows, cols]
+    logits[rows, cols] = torch.where(x > 0, x / repetition[rows], x * repetition[rows])  # duplicates write equal values
+    rows, cols = generated
+    logits.index_put_((rows, cols), -frequency[rows], accumulate=True)
+    unique = torch.unique(rows * logits.shape[-1] + cols)
+    rows, cols = unique // logits.shape[-1], unique % logits.shape[-1]
+    logits.index_put_((rows, cols), -presence[rows], accumulate=True)
+    return logits
 
 
 @dataclass
@@ -77,7 +90,7 @@ class SamplingBatch:
     top_ks: torch.Tensor | None = None          # int64, <= 0: off
     top_ps: torch.Tensor | None = None
     min_ps: torch.Tensor | None = None
-    penalties: tuple | None = None              # (counts, seen, presence, frequency, repetition)
+    penalties: tuple | None = None              # apply_penalties' arguments after the logits
     banned: tuple | None = None                 # (rows, token ids): logits set to -inf (min_tokens)
     num_logprobs: int | None = None             # top-k log-probabilities to return (max over rows)
     all_greedy: bool = False                    # no row samples: skip the noise and softmax
