@@ -121,7 +121,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free_blocks(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:  # (a fork may not be queued yet)
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = perf_counter()
