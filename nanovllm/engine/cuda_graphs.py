@@ -49,7 +49,9 @@ class DecodeGraphs:
                        block_tables=self.block_tables[:size], decode_only=True)
 
     def can_run(self, context: Context, batch: int) -> bool:
-        return context.decode_only and batch <= self.sizes[-1]
+        """Decode-only steps over the cache (not a first step of one-token prompts, which has no
+        block tables yet), up to the largest captured batch."""
+        return context.decode_only and context.block_tables is not None and batch <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         batch = input_ids.shape[0]
