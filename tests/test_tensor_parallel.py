@@ -129,7 +129,9 @@ def test_unsplittable_configurations(model_dir):
 
 
 SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
+    # Ctrl-C as in a terminal, even where this test runs with SIGINT ignored (a background CI job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, {root!r})
     from nanovllm import LLM, SamplingParams
     if __name__ == "__main__":
