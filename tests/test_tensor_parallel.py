@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def child_pids(pid=None):
-    """Live or zombie children of `pid` (default: this process), read from /proc."""
+    """Live or zombie children of `pid` (default: this process), read from /proc; multiprocessing's
+    resource tracker, one per parent process for its whole life, is not an engine's."""
     pid = pid or os.getpid()
     children = []
     for entry in os.listdir("/proc"):
@@ -29,9 +30,11 @@ def child_pids(pid=None):
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == pid:
+            if int(fields[1]) == pid and b"resource_tracker" not in cmdline:
                 children.append(int(entry))
     return children
 
