@@ -69,6 +69,7 @@ def test_tp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts,
         check(llm, model_dir, [shared + [1]], reference)
         later = check(llm, model_dir, [shared + [2], shared + [3]], reference)
         assert all(o["num_cached_tokens"] > 0 for o in later)
+        assert 0 < llm.stats()["tp_message_bytes"] < 1024  # the last step: two decodes
 
 
 def test_tp2_with_fewer_kv_heads_than_ranks(one_kv_head_dir, prompts, reference):

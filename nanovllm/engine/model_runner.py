@@ -1,4 +1,3 @@
-import pickle
 from itertools import chain
 
 import torch
@@ -100,10 +99,7 @@ class ModelRunner:
         config = self.config
         num_blocks = self._num_kv_blocks()
         if self.group is not None:  # every rank must hold the same blocks: take the smallest count
-            count = torch.tensor([num_blocks], device=self.device)
-            options = dist.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.MIN
-            self.group.pg.allreduce([count], options).wait()
+            count = self.group.all_reduce(torch.tensor([num_blocks], device=self.device), dist.ReduceOp.MIN)
             num_blocks = int(count.item())
         if num_blocks < config.max_blocks_per_seq:
             raise ValueError(
@@ -232,15 +228,12 @@ class ModelRunner:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
         batch = self.tables.encode(seqs)
         if self.workers is not None:
-            self.last_message_bytes = len(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
-            self.workers.call("execute", batch)
-            try:
-                logits = self.execute(batch)
-            except BaseException:  # e.g. Ctrl-C mid-step: the ranks are out of step for good
-                self.close()
-                raise
-        else:
+            self.last_message_bytes = self.workers.call("execute", batch)
+        try:
             logits = self.execute(batch)
+        except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
+            self.close()
+            raise
         if logits is None:
             return [], None
         return self.sample(logits, [seq for seq in seqs if seq.samples_this_step])

@@ -7,6 +7,7 @@ over a pipe. The workers run the same ModelRunner method, so the collectives ins
 when their pipe closes (rank 0 died), or are terminated on close.
 """
 import multiprocessing as mp
+import pickle
 import signal
 import weakref
 from datetime import timedelta
@@ -30,7 +31,7 @@ def _worker_main(config: Config, rank: int, store_port: int, conn):
     runner = ModelRunner(config, group)
     while True:
         try:
-            message = conn.recv()
+            message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):  # rank 0 is gone
             break
         if message is None:
@@ -44,7 +45,7 @@ def _stop(processes, conns):
     """Ask every worker to exit, then make sure: terminate, kill, and reap (no zombies)."""
     for conn in conns:
         try:
-            conn.send(None)
+            conn.send_bytes(pickle.dumps(None))
             conn.close()
         except (OSError, ValueError):
             pass
@@ -101,11 +102,14 @@ class Workers:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) has died with exit code "
                                    f"{p.exitcode}; this LLM cannot continue: shut it down and create a new one")
 
-    def call(self, method: str, *args):
-        """Have every worker run `ModelRunner.<method>(*args)`; rank 0 then runs it itself."""
+    def call(self, method: str, *args) -> int:
+        """Have every worker run `ModelRunner.<method>(*args)`; rank 0 then runs it itself.
+        The call is pickled once for all workers; returns its size in bytes."""
         self.check_alive()
+        message = pickle.dumps((method, args), pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
-            conn.send((method, args))
+            conn.send_bytes(message)
+        return len(message)
 
     def close(self):
         self._finalizer()

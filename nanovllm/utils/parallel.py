@@ -22,8 +22,10 @@ class TPGroup:
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self.pg.allreduce([t]).wait()
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self.pg.allreduce([t], options).wait()
         return t
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
