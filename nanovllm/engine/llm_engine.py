@@ -20,8 +20,23 @@ def load_tokenizer(path: str):
     """The folder's tokenizer, or None when it ships none (prompts must then be token ids)."""
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
+    import json
+
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    # transformers lets a JSON error escape without saying which file it was in: check them first.
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "vocab.json"):
+        file = os.path.join(path, name)
+        if os.path.exists(file):
+            try:
+                with open(file, encoding="utf-8") as f:
+                    json.load(f)
+            except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ValueError(f"tokenizer file {file!r} is not valid JSON: {e}") from e
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # tokenizers raises plain Exception for a tokenizer.json it cannot parse
+        raise ValueError(f"cannot load the tokenizer in {path!r}: {type(e).__name__}: {e}") from e
 
 
 class LLMEngine:

@@ -4,6 +4,7 @@ from torch import nn
 
 from nanovllm.layers.linear import divide
 from nanovllm.utils.context import get_context
+from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
 
 
@@ -17,9 +18,9 @@ class VocabParallelEmbedding(nn.Module):
         self.num_local = divide(num_embeddings, self.tp_size)
         self.vocab_start = self.num_local * self.tp_rank
         self.weight = nn.Parameter(torch.empty(self.num_local, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, (self.num_embeddings, param.shape[1]))  # the whole vocabulary, every rank
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.num_local))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """Linear layers that know their tensor-parallel shard.
 
 Column-parallel layers split their output features across ranks (no communication); row-parallel
-layers split their input features and all-reduce the partial products. Each parameter carries a
-`weight_loader(param, full_checkpoint_tensor[, shard_id])` that copies this rank's slice into it.
+layers split their input features and all-reduce the partial products. Each layer has a
+`weight_loader(param, full_checkpoint_tensor[, shard_id])` that checks the tensor has the full,
+unsharded shape its config implies (a too-large tensor would otherwise be sliced without complaint)
+and copies this rank's slice into `param`.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
 
 
@@ -21,10 +24,8 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size, self.tp_group = tp_rank(), tp_size(), tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
@@ -34,6 +35,7 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, param.shape)
         param.data.copy_(loaded)
 
 
@@ -44,6 +46,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, tp_size()), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, (param.shape[0] * self.tp_size, *param.shape[1:]))  # rows split evenly
         param.data.copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
 
 
@@ -58,6 +61,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
@@ -73,12 +77,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp = tp_size()
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads  # the checkpoint's
         self.num_heads = divide(num_heads, tp)
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_head_offset = tp_rank() * num_kv_heads // tp  # first KV head this rank holds
         LinearBase.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_shape(loaded, (heads * self.head_dim, *param.shape[1:]))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             dst, src_start = param.data.narrow(0, 0, q_size), self.tp_rank * q_size
@@ -96,8 +103,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         if param.dim() == 1:  # the bias is added once, after the reduction
+            check_shape(loaded, param.shape)
             param.data.copy_(loaded)
         else:
+            check_shape(loaded, (param.shape[0], param.shape[1] * self.tp_size))  # columns split evenly
             param.data.copy_(loaded.chunk(self.tp_size, 1)[self.tp_rank])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ import glob
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 # Checkpoint tensors that hold no weights: old checkpoints saved RoPE's inverse frequencies.
@@ -13,17 +13,52 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 DUMMY_WEIGHT_RANGE = 1e-3
 
 
+class ShapeMismatch(Exception):
+    """A checkpoint tensor's shape is not the one config.json implies. Weight loaders raise it (they
+    know neither the tensor's name nor its file); load_model turns it into a ValueError naming both."""
+
+    def __init__(self, expected: tuple[int, ...], found: tuple[int, ...]):
+        super().__init__(f"expected shape {expected}, found {found}")
+        self.expected, self.found = expected, found
+
+
+def check_shape(loaded: torch.Tensor, expected) -> None:
+    """`expected` is the full, unsharded checkpoint shape: a loader checks it before taking its
+    rank's slice, since slicing a too-large tensor would silently succeed."""
+    expected, found = tuple(expected), tuple(loaded.shape)
+    if found != expected:
+        raise ShapeMismatch(expected, found)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
+    """For parameters that are never sharded (norms): the checkpoint tensor is the whole parameter."""
+    check_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
+def load_param(model: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+    """Copy `loaded` into parameter `name` through its owning module's weight_loader, if it has one.
+
+    The loader is looked up on the module rather than stored on the parameter: a bound method kept
+    on the parameter would make a cycle (module -> param -> method -> module) that keeps the weights
+    alive after the model is dropped, until the garbage collector happens to run.
+    """
+    module = model.get_submodule(name.rpartition(".")[0])
+    loader = getattr(module, "weight_loader", None)
+    if shard_id is not None:  # a part of a packed matrix: only packed layers know where it goes
+        loader(param, loaded, shard_id)
+    else:
+        (loader or default_weight_loader)(param, loaded)
+
+
 def load_model(model: nn.Module, path: str):
-    """Copy every checkpoint tensor into its parameter through that parameter's weight_loader.
+    """Copy every checkpoint tensor into its parameter through its module's weight_loader.
 
     Checkpoint names are Hugging Face's; `packed_modules_mapping` redirects the parts of packed
     matrices (q/k/v, gate/up) to the packed parameter with their shard id. Raises ValueError when
-    a parameter gets no weight, or a checkpoint tensor has no parameter to go to (a model option
-    this implementation does not know would otherwise be silently dropped).
+    a file cannot be read, a tensor's shape is not the one config.json implies, a parameter gets no
+    weight, or a checkpoint tensor has no parameter to go to (a model option this implementation
+    does not know would otherwise be silently dropped).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -33,24 +68,31 @@ def load_model(model: nn.Module, path: str):
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(file, "pt", "cpu") as f:
+        try:
+            f = safe_open(file, "pt", "cpu")
+        except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable
+            raise ValueError(f"cannot read weights file {file!r}: {e}") from e
+        with f:
             for name in f.keys():
-                for part, (packed_part, shard_id) in packed.items():
+                target, shard_id = name, None
+                for part, (packed_part, packed_shard) in packed.items():
                     if part in name:
-                        target = name.replace(part, packed_part)
-                        if target in params:
-                            params[target].weight_loader(params[target], f.get_tensor(name), shard_id)
-                            loaded.add(target)
-                        else:
-                            unexpected.append(name)
+                        target, shard_id = name.replace(part, packed_part), packed_shard
                         break
-                else:
-                    if name in params:
-                        param = params[name]
-                        getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name))
-                        loaded.add(name)
-                    elif not name.endswith(IGNORED_TENSOR_SUFFIXES):
+                if target not in params:
+                    if shard_id is not None or not name.endswith(IGNORED_TENSOR_SUFFIXES):
                         unexpected.append(name)
+                    continue
+                try:
+                    tensor = f.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise ValueError(f"cannot read tensor {name!r} from weights file {file!r}: {e}") from e
+                try:
+                    load_param(model, target, params[target], tensor, shard_id)
+                except ShapeMismatch as e:
+                    raise ValueError(f"tensor {name!r} in {file!r} has shape {e.found}, but config.json implies "
+                                     f"{e.expected}; is config.json right for these weights?") from None
+                loaded.add(target)
     if unexpected:
         raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: {unexpected[:5]}"
                          f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
