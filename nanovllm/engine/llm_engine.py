@@ -1,3 +1,4 @@
+import operator
 import os
 import random
 from time import perf_counter
@@ -14,6 +15,17 @@ from nanovllm.sampling_params import SamplingParams
 
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def is_integer(value) -> bool:
+    """An int or an integer-like value (numpy's int64, as tokenizers return), but not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False
 
 
 def load_tokenizer(path: str):
@@ -63,8 +75,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as lists of token ids")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            bad = next((t for t in prompt if not is_integer(t)), None)
+            if bad is not None:
+                raise TypeError(f"a prompt's token ids must be ints, got {bad!r} of type {type(bad).__name__}")
+            ids = [operator.index(t) for t in prompt]
         else:
             raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
         if not ids:
@@ -84,6 +99,13 @@ class LLMEngine:
         if len(ids) + sampling_params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={sampling_params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")
+        vocab_size = self.config.hf_config.vocab_size
+        if sampling_params.logprobs is not None and sampling_params.logprobs > vocab_size:
+            raise ValueError(f"SamplingParams.logprobs={sampling_params.logprobs} exceeds the model's vocabulary "
+                             f"of {vocab_size} tokens")
+        bad = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if sampling_params.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {self.config.model!r} has none; use stop_token_ids")
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
@@ -96,10 +118,10 @@ class LLMEngine:
         samples[0].forks = samples[1:]
         return samples
 
-    def _add_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
-        """Normalize generate()/stream() arguments, validate every request, then queue them all."""
+    def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
+        """Normalize generate()/stream() arguments and validate every request; nothing is queued."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+                                        and all(is_integer(t) for t in prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
@@ -108,7 +130,11 @@ class LLMEngine:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         else:
             sampling_params = [sampling_params] * len(prompts)
-        requests = [self._make_request(p, sp, i, stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        return [self._make_request(p, sp, i, stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+
+    def _add_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
+        """Validate every request, then queue them all (so a bad one leaves the engine untouched)."""
+        requests = self._make_requests(prompts, sampling_params, stream)
         for samples in requests:
             self.scheduler.add(samples[0])
         return requests
@@ -185,22 +211,33 @@ class LLMEngine:
         return {**outs[0], "samples": outs} if len(outs) > 1 else outs[0]
 
     def _run(self, seqs: list[Sequence], bar=None):
-        """Step until every sequence in seqs has finished, yielding each step's updated ones of
-        them. On any exception (or the caller closing the generator) they are aborted, so no
-        half-finished request keeps holding blocks."""
-        pending = {seq.seq_id for seq in seqs}
+        """Step until every sequence in seqs has finished, yielding the ones of them that have news
+        (new tokens, or their end) since the last yield.
+
+        The engine is shared: generate() and stream() calls may interleave, and any caller's step
+        advances every queued request. So news is read from the sequences' own state, never from
+        which step produced it: each call sees every token of its own sequences exactly once,
+        and steps only while one of them is unfinished. On any exception (or the caller closing
+        the generator) they are aborted, so no half-finished request keeps holding blocks.
+        """
+        seen = {seq.seq_id: seq.num_tokens for seq in seqs}  # tokens already reported, per sequence
+        pending = list(seqs)                                 # not yet reported as finished
         try:
             while pending:
-                updated = [seq for seq in self.step() if seq.seq_id in pending]
-                done = {seq.seq_id for seq in updated if seq.is_finished}
-                pending -= done
+                news = [seq for seq in pending if seq.is_finished or seq.num_tokens > seen[seq.seq_id]]
+                if not news:
+                    self.step()
+                    continue
+                for seq in news:
+                    seen[seq.seq_id] = seq.num_tokens
+                pending = [seq for seq in pending if not seq.is_finished]
                 if bar is not None:
                     c = self.counters
                     bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
                                         f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
                                         refresh=False)
-                    bar.update(len(done))
-                yield updated
+                    bar.update(sum(seq.is_finished for seq in news))
+                yield news
         except BaseException:
             for seq in seqs:
                 self.abort(seq)
@@ -225,13 +262,23 @@ class LLMEngine:
         runs across all requests: dicts with `index` (the prompt's position), `sample` (which of
         its n samples), `text` and `token_ids` (what is new since that sample's last update) and
         `finished`; a sample's last update also has `finish_reason` and `stop_reason`. The `text`
-        pieces of a sample concatenate to generate()'s text."""
-        requests = self._add_requests(prompts, sampling_params, stream=True)
+        pieces of a sample concatenate to generate()'s text.
+
+        Every request is validated here, so a bad one raises at the call, not at the first next();
+        they are queued at the first next(). Closing the returned generator, or dropping it,
+        aborts its unfinished requests.
+        """
+        requests = self._make_requests(prompts, sampling_params, stream=True)
+        return self._stream(requests)
+
+    def _stream(self, requests: list[list[Sequence]]):
+        for samples in requests:
+            self.scheduler.add(samples[0])
         for updated in self._run([seq for samples in requests for seq in samples]):
-            for seq in updated:
-                update = self._stream_update(seq)
-                if update is not None:
-                    yield update
+            # All of them now, before the caller runs again: a step it makes in between (another
+            # generate, say) must not change what this batch of news reports.
+            updates = [self._stream_update(seq) for seq in updated]
+            yield from (u for u in updates if u is not None)
 
     def _stream_update(self, seq: Sequence) -> dict | None:
         if seq.is_finished:
