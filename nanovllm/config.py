@@ -1,3 +1,4 @@
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ LOAD_FORMATS = ("auto", "dummy")
 # and 16 keeps the last, partly filled block of each sequence small.
 FLASH_ATTN_BLOCK_SIZE = 256
 DEFAULT_BLOCK_SIZE = 16
+GENERATION_CONFIG = "generation_config.json"
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Config:
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
         if max_positions is not None:
             self.max_model_len = min(self.max_model_len, max_positions)
+        self.eos_token_ids  # a broken generation_config.json is a ValueError now, not mid-run
         from nanovllm.models import resolve_model_class
         # ValueError for an unsupported architecture or option (a sliding window < max_model_len)
         resolve_model_class(self.hf_config, self.max_model_len)
@@ -134,7 +137,31 @@ class Config:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        if eos is None:
-            return set()
-        return {eos} if isinstance(eos, int) else set(eos)
+        """EOS ids of config.json and generation_config.json together: instruct checkpoints (Qwen2.5,
+        Qwen3) list their chat turn's end there besides <|endoftext|>, and HF and vLLM stop at either.
+        Empty when neither names one (the engine then falls back to the tokenizer's)."""
+        return token_id_set(getattr(self.hf_config, "eos_token_id", None), "config.json") | token_id_set(
+            self.generation_config.get("eos_token_id"), "generation_config.json")
+
+    @property
+    def generation_config(self) -> dict:
+        """generation_config.json's contents ({} when the folder has none)."""
+        path = os.path.join(self.model, GENERATION_CONFIG)
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        return data
+
+
+def token_id_set(value, source: str) -> set[int]:
+    """An eos_token_id field (None, an id, or a list of ids) as a set."""
+    ids = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return set(ids)

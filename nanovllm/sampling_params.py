@@ -1,10 +1,13 @@
 import math
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request's completion, as in vLLM; validated once, at construction.
+    """How to sample one request's completion, as in vLLM; validated once, at construction, and
+    immutable afterwards (frozen: a field changed after validation would skip the checks; use
+    `dataclasses.replace(params, field=value)` for a validated copy).
 
     temperature: 0 is greedy (argmax); otherwise logits are divided by it before softmax.
     top_k: keep the k most likely tokens (-1: all).  top_p: keep the smallest set of tokens whose
@@ -16,8 +19,8 @@ class SamplingParams:
         negative (> 0; 1: off).
     max_tokens: completion length cap (>= 1).  min_tokens: EOS, stop tokens and stop strings are
         ignored before this many tokens.  ignore_eos: generate past EOS (benchmarks).
-    stop: strings that end the completion; the text ends before the stop string unless
-        include_stop_str_in_output.  stop_token_ids: token ids that end it.
+    stop: strings that end the completion (stored as a tuple); the text ends before the stop
+        string unless include_stop_str_in_output.  stop_token_ids: token ids that end it (a tuple).
     n: number of completions of the prompt (they share the prompt's KV blocks).
     logprobs: also return, per generated token, the log-probabilities of the chosen token and of
         the `logprobs` most likely ones, from the model's raw distribution (None: off).
@@ -34,13 +37,12 @@ class SamplingParams:
     max_tokens: int = 64
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
     n: int = 1
     logprobs: int | None = None
     seed: int | None = None
-    stop_strings: tuple[str, ...] = field(init=False, repr=False)  # `stop` as a tuple
 
     def __post_init__(self):
         def number(name, low, high, low_open=False, high_open=False):
@@ -86,13 +88,28 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_strings = tuple(stop)
         ids = self.stop_token_ids or []
-        if not isinstance(ids, (list, tuple, set)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                              for t in ids):
+        if not isinstance(ids, (list, tuple, set)) or not all(is_token_id(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(ids)
+        # Tuples, so that the caller's list changed later cannot change a validated request.
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.stop
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def is_token_id(value) -> bool:
+    """An integer >= 0: a Python int or an integer-like value such as numpy's int64 (tokenizers
+    return those), but not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 0
+    except TypeError:
+        return False

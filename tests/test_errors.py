@@ -130,3 +130,74 @@ def test_checkpoint_with_unknown_tensors(model_dir, tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="o_proj.bias"):
         LLM(str(folder), max_model_len=64)
+
+
+def test_request_values_beyond_the_vocabulary_are_refused_up_front(llm):
+    """logprobs above the vocabulary size used to fail mid-step in torch.topk, taking the other
+    requests of the call with it; a stop token id beyond it, with min_tokens, in index_put."""
+    good = [3, 4, 5]
+    expected = llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"]
+    for params, match in [(SamplingParams(logprobs=600, max_tokens=4), "logprobs=600 exceeds .* 512"),
+                          (SamplingParams(stop_token_ids=[512], min_tokens=2, max_tokens=4), "stop token id 512")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([good, good], [GREEDY, params], use_tqdm=False)
+        assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert llm.generate([good], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=512),
+                        use_tqdm=False)[0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("field, value", [("stop", ["ti"]), ("n", 0), ("max_tokens", 0), ("temperature", -1.0)])
+def test_sampling_params_are_immutable(field, value):
+    params = SamplingParams()
+    with pytest.raises(AttributeError, match=field):
+        setattr(params, field, value)
+
+
+def test_sampling_params_keep_no_reference_to_caller_lists():
+    stop, ids = ["a"], [1]
+    params = SamplingParams(stop=stop, stop_token_ids=ids)
+    stop.append("b")
+    ids.append(2)
+    assert params.stop == ("a",) and params.stop_token_ids == (1,)
+    import dataclasses
+    assert dataclasses.replace(params, n=2).n == 2
+    with pytest.raises(ValueError, match="n must be"):
+        dataclasses.replace(params, n=0)
+
+
+def test_integer_like_token_ids(llm):
+    """Tokenizers return numpy integers; they are token ids like ints. Other element types are
+    named in the error."""
+    import numpy as np
+    good = [3, 4, 5]
+    expected = llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"]
+    assert llm.generate([list(np.array(good, dtype=np.int64))], GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+    assert llm.generate(list(np.array(good, dtype=np.int32)), GREEDY, use_tqdm=False)[0]["token_ids"] == expected
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[np.int64(expected[3])])
+    assert llm.generate([good], params, use_tqdm=False)[0]["token_ids"] == expected[:4]
+    with pytest.raises(TypeError, match="got 2.5 of type float"):
+        llm.generate([[1, 2.5]], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="of type bool"):
+        llm.generate([[1, True]], GREEDY, use_tqdm=False)
+
+
+def test_architectures_as_a_string(model_dir, tmp_path):
+    folder = tmp_path / "arch_str"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = "Qwen3ForCausalLM"
+    (folder / "config.json").write_text(json.dumps(config))
+    assert LLM(str(folder), max_model_len=64).generate([[1, 2]], GREEDY, use_tqdm=False)[0]["finish_reason"] == "length"
+    config["architectures"] = "FancyNewForCausalLM"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model architecture 'FancyNewForCausalLM'"):
+        LLM(str(folder))
+
+
+def test_broken_generation_config(model_dir, tmp_path):
+    folder = tmp_path / "gen_config"
+    shutil.copytree(model_dir, folder)
+    for text, match in [("{oops", "generation_config.json"), ('{"eos_token_id": "x"}', "eos_token_id")]:
+        (folder / "generation_config.json").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            LLM(str(folder), max_model_len=64)

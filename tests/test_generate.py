@@ -4,6 +4,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 
@@ -103,6 +104,25 @@ def test_stop_on_eos(model_dir, prompts, reference, tmp_path):
                                                    GREEDY], use_tqdm=False)
     assert stop["finish_reason"] == "stop" and stop["token_ids"] == expected[:cut + 1]
     assert ignore["finish_reason"] == "length" and ignore["token_ids"] == expected
+
+
+def test_eos_ids_of_generation_config(model_dir, prompts, reference, tmp_path):
+    """Instruct checkpoints list more EOS ids in generation_config.json (Qwen's <|im_end|> besides
+    <|endoftext|>); HF's generate stops at any of them, and so must we, at the union of both files."""
+    from transformers import AutoModelForCausalLM
+    expected = reference(model_dir, prompts[3], 32)
+    eos = expected[4]  # the 5th greedy token
+    cut = expected.index(eos)
+    folder = tmp_path / "gen_eos_model"
+    shutil.copytree(model_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, eos]}))
+    hf = AutoModelForCausalLM.from_pretrained(str(folder))
+    ids = torch.tensor([prompts[3]])
+    hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                         pad_token_id=0)[0, len(prompts[3]):].tolist()
+    assert hf_out == expected[:cut + 1]
+    out = make_llm(str(folder)).generate([prompts[3]], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert out[0]["token_ids"] == hf_out and out[0]["finish_reason"] == "stop"
 
 
 def test_string_prompts_and_single_prompt(model_dir, reference):

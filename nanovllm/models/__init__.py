@@ -15,6 +15,8 @@ def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None =
     or option. Options that depend on the sequence length (a sliding window) are checked only when
     max_model_len is given; the model's constructor checks them again with its max_position."""
     architectures = getattr(hf_config, "architectures", None) or []
+    if isinstance(architectures, str):  # a hand-written config.json may give one name, not a list
+        architectures = [architectures]
     registry = _registry()
     if not architectures or architectures[0] not in registry:
         name = architectures[0] if architectures else None
