@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
-from nanovllm.layers.sampler import Sampler  # noqa: E402
+from nanovllm.layers.sampler import Sampler, TokenHistory  # noqa: E402
 
 CONFIGS = {
     "greedy": dict(temperature=0),
@@ -43,6 +43,7 @@ def main(argv=None):
     # only what sampling_batch reads: the device and host->device copies
     runner = SimpleNamespace(device=device, pin=device.type == "cuda")
     runner._to_device = ModelRunner._to_device.__get__(runner)
+    runner.token_history = TokenHistory(args.batch, args.prompt_len + args.output_len, runner._to_device)
     sampler = Sampler()
     logits = torch.randn(args.batch, args.vocab, device=device)
     gen = torch.Generator().manual_seed(0)

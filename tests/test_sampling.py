@@ -66,12 +66,46 @@ def test_penalties_match_direct_computation():
             expected[i, t] = x / repetition[i] if x > 0 else x * repetition[i]
         for t in set(completion[i]):
             expected[i, t] -= presence[i] + frequency[i] * completion[i].count(t)
-    pairs = lambda lists: (torch.tensor([i for i, l in enumerate(lists) for _ in l]),  # noqa: E731
-                           torch.tensor([t for l in lists for t in l]))
-    seen = pairs([p + c for p, c in zip(prompt, completion)])
-    got = apply_penalties(logits, seen, pairs(completion), torch.tensor(presence), torch.tensor(frequency),
+    padded = lambda lists: torch.tensor([l + [10] * (6 - len(l)) for l in lists])  # noqa: E731  (pad id = V)
+    seen = padded([p + c for p, c in zip(prompt, completion)])
+    got = apply_penalties(logits, seen, padded(completion), torch.tensor(presence), torch.tensor(frequency),
                           torch.tensor(repetition))
     torch.testing.assert_close(got, expected)
+
+
+def test_token_history_is_built_incrementally():
+    """The penalties' inputs, kept on the device and appended to: equal to building them from the
+    token lists every step, across growing sequences, sequences that leave and come back, and
+    with only the new tokens sent each step."""
+    from types import SimpleNamespace
+
+    from nanovllm.layers.sampler import TokenHistory
+    sent = []
+
+    def to_device(values, dtype):
+        sent.append(values.numel())
+        return values.to(dtype)
+
+    history = TokenHistory(max_rows=3, max_len=16, to_device=to_device)
+    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(10 * i, 10 * i + 3 + i)), num_prompt_tokens=2 + i)
+            for i in range(3)]
+
+    def check(batch):
+        seen, generated = history.inputs(batch, vocab_size=99)
+        for row, seq in enumerate(batch):
+            assert [t for t in seen[row].tolist() if t != 99] == seq.token_ids
+            assert [t for t in generated[row].tolist() if t != 99] == seq.token_ids[seq.num_prompt_tokens:]
+
+    for step in range(4):
+        for seq in seqs:
+            seq.num_tokens = len(seq.token_ids)
+        sent.clear()
+        batch = seqs if step != 2 else [seqs[2], seqs[0]]  # seqs[1] leaves for a step, in another order
+        check(batch)
+        if step == 3:  # only seqs[1] is written whole again; the others send their one new token
+            assert sent[0] == 3 * (len(seqs[1].token_ids) + 2)
+        for seq in seqs:
+            seq.token_ids.append(50 + step)
 
 
 def test_repetition_penalty_matches_hf(model_dir, llm, prompts):
@@ -239,3 +273,33 @@ def test_sampler_microbenchmark_runs():
     results = bench_sampler.main(["--batch", "4", "--vocab", "1000", "--prompt-len", "8", "--output-len", "8",
                                   "--iters", "1"])
     assert set(results) == set(bench_sampler.CONFIGS) and all(t > 0 for t in results.values())
+
+
+@pytest.mark.gpu
+def test_sampler_makes_no_host_sync():
+    """Penalties, min_tokens' banned tokens, top-k/top-p/min-p and logprobs: none may wait for the
+    device (only reading the sampled tokens back does)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from types import SimpleNamespace
+
+    from nanovllm.layers.sampler import TokenHistory
+    device = torch.device("cuda")
+    rows, vocab = 8, 1000
+    to_device = lambda values, dtype: values.pin_memory().to(device, non_blocking=True)  # noqa: E731
+    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(i, i + 20)), num_prompt_tokens=10, num_tokens=20)
+            for i in range(rows)]
+    history = TokenHistory(rows, 64, to_device)
+    history.inputs(seqs, vocab)  # allocates its buffer
+    logits = torch.randn(rows, vocab, device=device)
+    ones = torch.ones(rows, device=device)
+    ints = torch.arange(rows, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = SamplingBatch(temperatures=ones, seeds=ints, positions=ints, top_ks=ints + 5, top_ps=ones * 0.9,
+                              min_ps=ones * 0.01, penalties=(*history.inputs(seqs, vocab), ones, ones, ones * 1.1),
+                              banned=(ints, ints), num_logprobs=3)
+        Sampler()(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -185,3 +185,31 @@ def test_decode_message_is_small():
     decode = len(pickle.dumps(tables.encode(seqs), pickle.HIGHEST_PROTOCOL))
     print(f"\nTP message: first step {first} bytes, decode step at 256 sequences {decode} bytes")
     assert decode < 8 * 1024 < first
+
+
+def test_warmup_runs_on_every_rank(model_dir, prompts, reference):
+    """The start-up warm-up that sizes the KV cache on CUDA (the largest forward, then sampling)
+    runs on every rank; ranks above 0 get no logits from the LM head's gather and must not sample.
+    On CPU it is not part of start-up, so it is run here by hand, then the engine must still be exact."""
+    with LLM(model_dir, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=300) as llm:
+        runner = llm.model_runner
+        runner.workers.call("_warmup")
+        runner._warmup()
+        check(llm, model_dir, prompts[:4], reference)
+
+
+def test_nccl_group_has_a_timeout(monkeypatch):
+    """Without a timeout NCCL waits about ten minutes for a dead peer. (NCCL itself needs CUDA: a
+    stand-in records what the group is built with.)"""
+    from nanovllm.utils import parallel
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options=None):
+            self.options = options
+
+    monkeypatch.setattr(parallel.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    group = parallel.TPGroup(None, 0, 2, "cuda")
+    assert group.pg.options is not None and group.pg.options._timeout == parallel.COLLECTIVE_TIMEOUT

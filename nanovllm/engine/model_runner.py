@@ -1,5 +1,3 @@
-from itertools import chain
-
 import torch
 import torch.distributed as dist
 
@@ -9,7 +7,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import BlockTables, StepBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.layers.sampler import Sampler, SamplingBatch, TokenHistory
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
 from nanovllm.utils.loader import load_dummy, load_model
@@ -64,6 +62,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
+        self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len, self._to_device)
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = None
         # The torch backend loops over sequences on the host: it cannot be captured.
@@ -134,6 +133,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         with forward_context(context):
             logits = self.model.compute_logits(self.model(input_ids, positions))
+        if logits is None:  # ranks above 0: the LM head gathered the logits to rank 0, which samples
+            return
         ones = torch.ones(rows, device=self.device)
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.sampler(logits, SamplingBatch(temperatures=ones, seeds=zeros, positions=zeros, top_ks=zeros - 1,
@@ -184,12 +185,7 @@ class ModelRunner:
         if any(p.min_p > 0 for p in params):
             batch.min_ps = floats([p.min_p for p in params])
         if any(p.has_penalties for p in params):
-            # (row, token) pairs of the flat token lists of all rows: the penalties touch only these
-            completion = [seq.completion_token_ids for seq in seqs]
-            out_rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(c) for c in completion]))
-            seen_rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([seq.num_tokens for seq in seqs]))
-            batch.penalties = ((ints(seen_rows), ints(list(chain.from_iterable(seq.token_ids for seq in seqs)))),
-                               (ints(out_rows), ints(list(chain.from_iterable(completion)))),
+            batch.penalties = (*self.token_history.inputs(seqs, vocab_size),
                                floats([p.presence_penalty for p in params]),
                                floats([p.frequency_penalty for p in params]),
                                floats([p.repetition_penalty for p in params]))

@@ -8,8 +8,9 @@ class Attention(nn.Module):
     """Paged attention for one layer: stores the step's new K/V by slot, then attends through the
     block tables with the backend the model runner bound (`self.backend`).
 
-    The runner also binds k_cache / v_cache ([num_blocks, block_size, Hkv, D]); before it does
-    (the start-up memory probe) attention runs over the new tokens alone.
+    The runner also binds k_cache / v_cache ([num_blocks, block_size, Hkv, D]); before it does,
+    and in the start-up warm-up step (no slot mapping, no block tables), attention runs over the
+    new tokens alone.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
@@ -21,7 +22,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]"""
         context = get_context()
-        if self.k_cache is not None:
+        if self.k_cache is not None and context.slot_mapping is not None:  # (the warm-up step stores nothing)
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
         return out.flatten(1)

@@ -58,26 +58,67 @@ def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
 
 
-def apply_penalties(logits: torch.Tensor, seen: tuple[torch.Tensor, torch.Tensor],
-                    generated: tuple[torch.Tensor, torch.Tensor], presence: torch.Tensor, frequency: torch.Tensor,
-                    repetition: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties, touching only the logits of tokens that occurred (O(tokens), not O(B x V)).
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties, touching only the logits of tokens that occurred (O(B x L), not O(B x V)).
 
-    seen: (rows, token ids) of every prompt and completion token; generated: (rows, token ids) of
-    every completion token, one entry per occurrence. Per-row penalties [B]. The repetition
-    penalty divides positive logits of seen tokens and multiplies negative ones; then each
-    completion token loses frequency per occurrence and presence once.
+    seen: [B, L] every prompt and completion token id of each row; generated: [B, L] its
+    completion token ids, one entry per occurrence; both padded with V (the vocabulary size), a
+    column that exists only in here. Per-row penalties [B]. The repetition penalty divides
+    positive logits of seen tokens and multiplies negative ones; then each completion token loses
+    frequency per occurrence and presence once. No host sync: no data-dependent shapes.
     """
-    logits = logits.clone()
-    rows, cols = seen
-    x = logits[rows, cols]
-    logits[rows, cols] = torch.where(x > 0, x / repetition[rows], x * repetition[rows])  # duplicates write equal values
-    rows, cols = generated
-    logits.index_put_((rows, cols), -frequency[rows], accumulate=True)
-    unique = torch.unique(rows * logits.shape[-1] + cols)
-    rows, cols = unique // logits.shape[-1], unique % logits.shape[-1]
-    logits.index_put_((rows, cols), -presence[rows], accumulate=True)
-    return logits
+    num_rows, vocab = logits.shape
+    logits = torch.cat([logits, logits.new_zeros(num_rows, 1)], 1)  # [B, V + 1]: column V absorbs padding
+    rows = torch.arange(num_rows, device=logits.device)[:, None]
+    x = logits[rows, seen]
+    logits[rows, seen] = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])  # duplicates write equal values
+    logits.index_put_((rows.expand_as(generated), generated), -frequency[:, None].expand_as(generated), accumulate=True)
+    logits[rows, generated] = logits[rows, generated] - presence[:, None]  # once per token: duplicates write equal values
+    return logits[:, :vocab]
+
+
+class TokenHistory:
+    """The token ids of each sequence that samples with penalties, kept on the device and
+    appended to step by step, so the penalties' inputs cost O(new tokens) of host work a step
+    rather than O(all tokens).
+
+    tokens [max_rows, max_len] int32: row r holds one sequence's prompt and completion. A sequence
+    gets a row the first step it samples with penalties and gives it up the first step it does
+    not; if it comes back (after preemption, say) its row is written whole again.
+    """
+
+    def __init__(self, max_rows: int, max_len: int, to_device):
+        self.max_rows, self.max_len, self.to_device = max_rows, max_len, to_device
+        self.tokens: torch.Tensor | None = None  # allocated at first use: most runs never need it
+        self.rows: dict[int, int] = {}           # seq_id -> row
+        self.written: dict[int, int] = {}        # seq_id -> tokens of it already in its row
+
+    def inputs(self, seqs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """apply_penalties' (seen, generated), [len(seqs), L] each, for these sampling sequences."""
+        if self.tokens is None:
+            self.tokens = self.to_device(torch.zeros(self.max_rows, self.max_len, dtype=torch.int32), torch.int32)
+        live = {seq.seq_id for seq in seqs}
+        for seq_id in [i for i in self.rows if i not in live]:
+            del self.rows[seq_id], self.written[seq_id]
+        free = sorted(set(range(self.max_rows)) - set(self.rows.values()), reverse=True)
+        new_rows, new_pos, new_ids = [], [], []
+        for seq in seqs:
+            if seq.seq_id not in self.rows:
+                self.rows[seq.seq_id], self.written[seq.seq_id] = free.pop(), 0
+            start = self.written[seq.seq_id]
+            new_rows += [self.rows[seq.seq_id]] * (seq.num_tokens - start)
+            new_pos += range(start, seq.num_tokens)
+            new_ids += seq.token_ids[start:]
+            self.written[seq.seq_id] = seq.num_tokens
+        new = self.to_device(torch.tensor([new_rows, new_pos, new_ids], dtype=torch.int64), torch.int64)  # [3, N]
+        self.tokens[new[0], new[1]] = new[2].int()
+        meta = self.to_device(torch.tensor([[self.rows[s.seq_id] for s in seqs], [s.num_tokens for s in seqs],
+                                            [s.num_prompt_tokens for s in seqs]], dtype=torch.int64), torch.int64)
+        length = max(seq.num_tokens for seq in seqs)
+        pos = torch.arange(length, device=meta.device)[None, :]
+        seen = self.tokens[meta[0], :length].long().masked_fill_(pos >= meta[1, :, None], vocab_size)  # [B, L]
+        return seen, seen.masked_fill(pos < meta[2, :, None], vocab_size)
 
 
 @dataclass
@@ -108,7 +149,7 @@ class Sampler(nn.Module):
         if batch.penalties is not None:
             logits = apply_penalties(logits, *batch.penalties)
         if batch.banned is not None:
-            logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))  # a device fill: no sync
         tokens = logits.argmax(-1)
         if not batch.all_greedy:
             sampling = batch.temperatures > 0

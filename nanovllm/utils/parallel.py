@@ -18,7 +18,9 @@ class TPGroup:
     def __init__(self, store: dist.Store, rank: int, size: int, device: str):
         self.rank, self.size = rank, size
         if device == "cuda":
-            self.pg = dist.ProcessGroupNCCL(store, rank, size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT  # without it NCCL waits ~10 minutes for a dead peer
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
 
