@@ -6,6 +6,7 @@ that). On a CUDA machine the variable is left alone and the same tests run the c
 on the GPU; setting it there would make every later import of the backend in this pytest
 process interpreted, GPU tests included. Sizes are small: the interpreter is slow.
 """
+import inspect
 import os
 import sys
 
@@ -18,7 +19,9 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton attent
 
 from nanovllm.layers.backends import triton_attn  # noqa: E402
 from nanovllm.layers.backends.torch_ref import TorchBackend  # noqa: E402
-from nanovllm.layers.backends.triton_attn import TritonBackend, decode, decode_num_splits  # noqa: E402
+from nanovllm.engine.cuda_graphs import graph_batch_sizes, padded_batch_size  # noqa: E402
+from nanovllm.layers.backends.triton_attn import (TritonBackend, context_num_splits, decode,  # noqa: E402
+                                                  decode_num_splits)
 from nanovllm.utils.context import Context  # noqa: E402
 
 # Ask the module, not the environment: it may have been imported before this file set the variable.
@@ -241,6 +244,166 @@ def test_decode_num_splits_heuristic():
     assert decode_num_splits(1, 1, 300, 132) == 2
     assert decode_num_splits(1, 1, 16, 132) == 1
     assert decode_num_splits(1, 1, 1 << 20, 132) == triton_attn.MAX_SPLITS
+
+
+def runner_context(new_lens, ctx_lens, block_tables, max_model_len, slot_mapping=None) -> Context:
+    """make_context plus the split-count fields the model runner fills (ladder of max_num_seqs 8)."""
+    context = make_context(new_lens, ctx_lens, block_tables, slot_mapping)
+    context.max_model_len = max_model_len
+    if context.decode_only:
+        context.padded_batch = padded_batch_size(len(new_lens), graph_batch_sizes(8))
+    return context
+
+
+def test_context_num_splits_contract():
+    """From the padded batch and max_model_len alone: not the batch, the block-table width or the
+    lengths, which differ between an eager step and its graph replay; B and W only as a fallback."""
+    narrow, wide = torch.zeros(3, 2, dtype=torch.int32), torch.zeros(4, 256, dtype=torch.int32)
+    expect = decode_num_splits(4, 2, 4096, 132)
+    for tables, lens in ((narrow, [5, 6, 20]), (wide, [5, 6, 20, 4000])):
+        context = Context(block_tables=tables, seq_lens_k=torch.tensor(lens), decode_only=True, padded_batch=4,
+                          max_model_len=4096)
+        assert context_num_splits(context, 2, 16, 132) == expect
+    assert context_num_splits(Context(block_tables=narrow), 2, 16, 132) == decode_num_splits(3, 2, 32, 132)
+    assert context_num_splits(Context(block_tables=narrow, padded_batch=1, max_model_len=4096), 8, 16, 132) == 32
+
+
+def test_decode_row_is_bit_identical_whatever_the_other_rows():
+    """Row 0 (300 tokens) decodes to the same bits: in a batch of short rows with a narrow block
+    table, beside a 1900-token row (a wider table), and as a CUDA-graph replay sees it (a padding
+    row, the max_model_len-wide table). All three pad to 4 rows, so they split alike."""
+    gen = torch.Generator().manual_seed(21)
+    block_size, max_model_len = 16, 2048
+    lens = [300, 5, 40, 1900]
+    cache = PagedCache(lens, block_size, 2, 32, gen).to(DEVICE)
+    q, k, v = qkv_views(4, 4, 2, 32, gen, q_scale=2.0)
+    tables = cache.tables.cpu()
+    short = runner_context([1] * 3, lens[:3], tables[:3, :20].contiguous(), max_model_len)   # 300 tokens: 19 blocks
+    longer = runner_context([1] * 4, lens, tables, max_model_len)
+    graph_tables = torch.full((4, max_model_len // block_size), -1, dtype=torch.int32)
+    graph_tables[:3, :tables.shape[1]] = tables[:3]
+    graph = runner_context([1] * 4, lens[:3] + [0], graph_tables, max_model_len)         # row 3: padding
+    outs = [TritonBackend.forward(q[:len(c.seq_lens_k)], None, None, cache.k, cache.v, c, 0.125)
+            for c in (short, longer, graph)]
+    for out in outs[1:]:
+        assert torch.equal(out[:3].cpu(), outs[0].cpu())
+    assert_close(outs[0], reference(q[:3], k[:3], v[:3], cache, make_context([1] * 3, lens[:3], tables[:3]), 0.125))
+
+
+# ---- compiled variants --------------------------------------------------------------------------
+def specialization_key(value):
+    """What Triton's compile cache keys a runtime argument on (triton/runtime/jit.py, specialize_impl):
+    ints by type and by being 1 or divisible by 16, pointers by dtype and 16-byte alignment,
+    floats by type alone. (Constexprs and launch options: by value.)"""
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype), value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        return value if isinstance(value, (bool, str)) else type(value).__name__
+    return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64", value == 1, value % 16 == 0
+
+
+def unspecialized(kernel) -> set[str]:
+    """The kernel's do_not_specialize names (JITFunction keeps them; the interpreter's wrapper its kwargs)."""
+    names = kernel.do_not_specialize if hasattr(kernel, "do_not_specialize") else kernel.kwargs["do_not_specialize"]
+    params = list(inspect.signature(kernel.fn).parameters)
+    return {params[n] if isinstance(n, int) else n for n in names or ()}
+
+
+class VariantCounter:
+    """Stands in for a kernel: keys each launch as Triton's compile cache would; launches it if asked."""
+
+    def __init__(self, kernel, launch: bool):
+        self.kernel, self.launch = kernel, launch
+        params = inspect.signature(kernel.fn).parameters
+        self.params = list(params)
+        self.runtime = {name for name, p in params.items() if "constexpr" not in str(p.annotation)}
+        self.dynamic = unspecialized(kernel)
+        self.keys = set()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = {**dict(zip(self.params, args)), **kwargs}   # kwargs: constexprs and launch options
+            self.keys.add(tuple((name, specialization_key(value) if name in self.runtime else value)
+                                for name, value in sorted(named.items()) if name not in self.dynamic))
+            if self.launch:
+                self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def count_variants(monkeypatch, launch: bool) -> dict:
+    counters = {name: VariantCounter(getattr(triton_attn, name), launch)
+                for name in ("_store_kv_kernel", "_prefill_kernel", "_decode_kernel", "_reduce_kernel")}
+    for name, counter in counters.items():
+        monkeypatch.setattr(triton_attn, name, counter)
+    return counters
+
+
+def test_no_new_kernel_variants_after_warm_up(monkeypatch):
+    """After one step of each kind (a fresh prefill, a mixed step over the cache, decode at each
+    padded batch size), steps of other sizes compile nothing new: token counts, block-table widths
+    and split counts are not specialized on."""
+    counters = count_variants(monkeypatch, launch=False)
+    gen = torch.Generator().manual_seed(0)
+    lens = [2 * 16 * 16 + 3] * 8                               # up to 33 blocks: widths 1 .. 34
+    cache = PagedCache(lens, 16, 2, 32, gen).to(DEVICE)
+    tables = cache.tables.cpu()
+
+    def step(new, cached, width):                              # the runner's tables are [B, width], contiguous
+        ctx_lens = [c + n for c, n in zip(cached, new)]
+        slots = [s for i, (c, n) in enumerate(zip(cached, new)) for s in cache.slots(i, range(c, c + n))]
+        table = tables[:len(new), :width].contiguous() if any(cached) else None
+        context = runner_context(new, ctx_lens, table, 512, slots)
+        q, k, v = qkv_views(sum(new), 4, 2, 32, gen)
+        TritonBackend.store_kv(k, v, cache.k, cache.v, context.slot_mapping)
+        TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.125)
+
+    def variants():
+        return {name: len(counter.keys) for name, counter in counters.items()}
+
+    step([5, 7], [0, 0], 1)                                    # fresh prefill
+    step([20, 1], [3, 40], 4)                                  # mixed: a chunk over a cached prefix + a decode
+    for batch in graph_batch_sizes(8):                         # decode at each padded size
+        step([1] * batch, [17] * batch, 2)
+    warm = variants()
+    step([1], [0], 1)                                          # one token: num_tokens == 1
+    step([16, 16], [0, 0], 1)                                  # num_tokens divisible by 16
+    step([1, 15], [500, 16], 33)                               # another width
+    step([1, 3, 12], [255, 16, 500], 32)                       # a width divisible by 16
+    for batch, width in ((3, 16), (5, 33), (7, 17), (8, 32), (1, 1)):
+        step([1] * batch, [min(16 * width - 1, 400)] * batch, width)
+    assert variants() == warm
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="an engine run on CPU; on the GPU, gpu_check.sh times bench.py itself")
+def test_bench_warm_up_compiles_every_variant_of_the_run(monkeypatch):
+    """bench.py's warm-up launches every kernel variant its timed run launches: the run chunks
+    prompts, mixes prefill chunks with decodes and decodes at many batch sizes and widths (in 2
+    splits and a reduce, with max_model_len 320 in the context)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench
+    counters = count_variants(monkeypatch, launch=True)
+    after_warm_up = {}
+    warm_up = bench.warm_up
+
+    def warm_up_then_count(llm, prompts):
+        warm_up(llm, prompts)
+        after_warm_up.update({name: set(counter.keys) for name, counter in counters.items()})
+    monkeypatch.setattr(bench, "warm_up", warm_up_then_count)
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "5", "--min-input-len", "8", "--max-input-len", "40",
+                         "--min-output-len", "2", "--max-output-len", "9", "--device", "cpu", "--max-model-len", "320",
+                         "--max-num-batched-tokens", "64", "--attention-backend", "triton"])
+    assert result["attention_backend"] == "triton" and after_warm_up
+    new = {name: counter.keys - after_warm_up[name] for name, counter in counters.items()}
+    assert new == dict.fromkeys(counters, set())
+
+
+def test_dynamic_args_are_real_kernel_args():
+    """The do_not_specialize names are parameters of their kernels (a typo would silently do nothing)."""
+    for kernel, names in ((triton_attn._store_kv_kernel, triton_attn.STORE_KV_DYNAMIC_ARGS),
+                          (triton_attn._prefill_kernel, triton_attn.PREFILL_DYNAMIC_ARGS),
+                          (triton_attn._decode_kernel, triton_attn.DECODE_DYNAMIC_ARGS),
+                          (triton_attn._reduce_kernel, triton_attn.REDUCE_DYNAMIC_ARGS)):
+        assert set(names) == unspecialized(kernel) and set(names) <= set(inspect.signature(kernel.fn).parameters)
 
 
 # ---- prefill ------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ class Context:
                                context, so attention can read the new K/V directly
     logits_indices [S]  int64  rows whose hidden state is turned into logits (sampling sequences)
     decode_only   every sequence computes exactly one token (CUDA graphs and decode kernels apply)
+    padded_batch  decode steps: B rounded up to the CUDA-graph ladder (cuda_graphs.padded_batch_size),
+                  whether or not this step replays a graph; 0 = not given (B itself)
+    max_model_len the bound on every context length; 0 = not given (the block-table width)
+                  Split-KV decode sizes its split count from these two, never from B or W, so an eager
+                  step and its graph replay (padded rows, W = max_blocks_per_seq) split alike.
     *_cpu         host copies, for backends that loop over sequences
     """
     cu_seqlens_q: torch.Tensor | None = None
@@ -27,6 +32,8 @@ class Context:
     block_tables: torch.Tensor | None = None
     logits_indices: torch.Tensor | None = None
     decode_only: bool = False
+    padded_batch: int = 0
+    max_model_len: int = 0
     cu_seqlens_q_cpu: list[int] | None = None
     seq_lens_k_cpu: list[int] | None = None
 

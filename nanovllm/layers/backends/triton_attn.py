@@ -16,7 +16,9 @@ Three kernels and one reduction:
 
 The decode path never reads a device value on the host, so a CUDA graph can capture it:
 num_splits comes from shapes only (see decode_num_splits) and each split reads its sequence's
-length from device memory, taking an equal share of it in whole tiles.
+length from device memory, taking an equal share of it in whole tiles. In the engine the shapes
+are the padded batch and max_model_len (context_num_splits), the same for an eager step and its
+CUDA-graph replay, so both give the same bits and a row does not depend on the others' lengths.
 
 Softmax runs in base 2 (exp2 of scores pre-multiplied by scale * log2(e)). The running max starts
 at a large negative *finite* number, so a row that has seen no valid key yet gets
@@ -62,11 +64,24 @@ TARGET_WAVES = 2               # aim for this many programs per SM, so straggler
 MIN_KEYS_PER_SPLIT = 128       # a share shorter than two tiles is not worth its partial-result traffic
 MAX_SPLITS = 64                # bounds the reduce kernel's tile and the partial-result buffers
 
+# Compile-time specialization. Triton compiles a kernel variant per distinct key of its integer
+# arguments: whether each equals 1 (then a constant) or is divisible by 16 (then an alignment
+# hint). Arguments that change from step to step would compile new variants mid-run, so these are
+# do_not_specialize: token counts, the block-table row stride (W grows with the longest context
+# of an eager step) and everything derived from num_splits. Kept specialized: the Q/K/V/out/cache
+# strides. They are fixed by the model's shapes (no new variants), the innermost ones are 1, which
+# tells the compiler the head_dim axis is contiguous so it can issue 16-byte vector loads/stores,
+# and the outer ones, multiples of 16, let it prove that every row starts aligned.
+STORE_KV_DYNAMIC_ARGS = ["num_tokens"]
+PREFILL_DYNAMIC_ARGS = ["s_bt"]
+DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits"]   # s_mb = H * num_splits, s_mh = num_splits
+REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits"]
+
 
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=STORE_KV_DYNAMIC_ARGS)
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
                      s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
                      s_kcb, s_kcs, s_kch, s_kcd, s_vcb, s_vcs, s_vch, s_vcd,
@@ -90,7 +105,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PREFILL_DYNAMIC_ARGS)
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                     s_k0, s_k1, s_kh, s_kd, s_v0, s_v1, s_vh, s_vd, s_bt,
@@ -159,7 +174,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_DYNAMIC_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
                    seq_lens_ptr, bt_ptr,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
@@ -171,9 +186,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Grid (B, Hkv, num_splits); row b of q is sequence b's only query, at position length-1.
 
-    num_splits is a runtime value, not a constexpr: eager steps' block tables widen as contexts
-    grow, and a constexpr would compile a new variant for every split count. SPLIT_KV
-    (num_splits > 1) selects writing partials for _reduce_kernel over writing `out` directly."""
+    num_splits is a runtime value, not a constexpr (nor specialized): eager steps of different
+    padded batch sizes use different counts, and each would otherwise compile a new variant.
+    SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing `out`."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,7 +242,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_DYNAMIC_ARGS)
 def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
                    s_ot, s_oh, s_od, s_mb, s_mh, s_ms, num_splits,
                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -271,6 +286,21 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     want = triton.cdiv(TARGET_WAVES * num_sms, max(1, batch * num_kv_heads))
     cap = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(want, cap, MAX_SPLITS))
+
+
+def context_num_splits(context: Context, num_kv_heads: int, block_size: int, num_sms: int) -> int:
+    """The split count of a decode step, from what its context says about the step's bounds.
+
+    From context.padded_batch and context.max_model_len (as the model runner fills them), never from
+    the batch or the block-table width, which differ between an eager step (B rows, W = its longest
+    context's blocks) and its CUDA-graph replay (padded rows, W = max_blocks_per_seq). A different
+    count cuts a context at other tile boundaries and sums the partials in another order, i.e.
+    other bf16 bits. Short contexts then leave some splits empty, as captured graphs always did.
+    Contexts without those fields (direct calls, tests) fall back to B and W.
+    """
+    batch = context.padded_batch or context.block_tables.shape[0]
+    bound = context.max_model_len or context.block_tables.shape[1] * block_size
+    return decode_num_splits(batch, num_kv_heads, bound, num_sms)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -334,7 +364,7 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
     No host sync, no device value read: safe under CUDA-graph capture. num_splits=None picks
-    decode_num_splits(...) from the shapes; tests pass it explicitly.
+    decode_num_splits(...) from these shapes; TritonBackend.forward passes context_num_splits.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -397,5 +427,6 @@ class TritonBackend:
         if context.decode_only and context.block_tables is not None:
             if k_cache is None:
                 raise ValueError("context.block_tables is set but the attention layer has no KV cache")
-            return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out)
+            num_splits = context_num_splits(context, k_cache.shape[2], k_cache.shape[1], _num_sms(q.device))
+            return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits)
         return _prefill(q, k, v, k_cache, v_cache, context, scale, out)
