@@ -22,6 +22,7 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
 
 # Model shapes for --dummy: random weights, no files needed.
 PRESETS = {
@@ -36,6 +37,9 @@ PRESETS = {
 }
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 MAX_TOKEN_ID = 10000  # prompt token ids are drawn from [0, MAX_TOKEN_ID]
+# Warm-up prompts repeat one token id: no workload prompt starts with a run of one id a block long,
+# so nothing the warm-up leaves in the prefix cache is ever a hit in the timed run.
+WARMUP_TOKEN = 1
 
 
 def make_workload(num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100, max_output_len=1024,
@@ -72,13 +76,44 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def warm_up(llm, prompts):
+    """Run every kernel variant the timed run over `prompts` will use, so that no Triton compile
+    lands in it. Costs a few steps, plus one step's token budget when the run chunks prompts.
+    1. a fresh prefill (no cached context), then a step mixing its decode with a prefill over the
+       block it left in the prefix cache (the paged prefill kernel, as every mixed step uses);
+    2. when the run's prompts exceed one step's budget: prompts that do too, so one is chunked;
+    3. decode at every CUDA-graph ladder size up to the run's largest batch, largest first (eager
+       decode picks its split-KV count, a kernel variant, from the padded batch size)."""
+    config = llm.config
+    budget, max_len, block = config.max_num_batched_tokens, config.max_model_len, config.block_size
+    params = lambda n: SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True)  # noqa: E731
+    generate = lambda prompts, p: llm.generate(prompts, p, use_tqdm=False)  # noqa: E731
+    prefix = [WARMUP_TOKEN] * block
+    if max_len >= block + 4:                                # prompts of a full block + 2 tokens, and 2 new ones
+        llm.add_request(prefix + [0], params(2))
+        llm.step()                                          # fresh prefill; publishes the full block
+        llm.add_request(prefix + [0, 0], params(2))         # 2 uncached tokens: a prefill, not a decode row
+        while not llm.is_finished():
+            llm.step()
+    else:
+        generate([[WARMUP_TOKEN] * 2], params(2))
+    if sum(map(len, prompts)) > budget:
+        length = max_len - 2
+        generate([[WARMUP_TOKEN + 1] * length] * min(budget // length + 1, config.max_num_seqs), params(2))
+    ladder = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
+    largest = padded_batch_size(min(len(prompts), config.max_num_seqs), ladder)
+    sizes = [s for s in ladder if s <= largest]
+    # sequence j samples 1 + #{sizes > j} tokens: decode step t runs the sizes[-t] sequences with j < sizes[-t]
+    lengths = [min(1 + sum(s > j for s in sizes), max_len - 2) for j in range(largest)]
+    generate([[WARMUP_TOKEN] * 2] * largest, [params(n) for n in lengths])
+
+
 def run_nanovllm(args, path, prompts, max_tokens):
     llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
-    # warm-up (kernels, allocator, graphs): not timed
-    llm.generate([[1] * 16] * 2, SamplingParams(temperature=0.6, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warm_up(llm, prompts)                                   # not timed; the stats below count from here
     before = dict(llm.stats())
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync(llm.config.device)
@@ -97,7 +132,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "ttft_s": percentiles(o["metrics"]["ttft_s"] for o in outputs),
         "tpot_s": percentiles(o["metrics"]["tpot_s"] for o in outputs),
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
-        "num_preemptions": stats["num_preemptions"],
+        "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
     }
     llm.shutdown()
     del llm

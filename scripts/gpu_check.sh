@@ -21,9 +21,12 @@ run() {  # run STEP_NAME TIMEOUT_S CMD...: time-boxed, never stops the script
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+# Time boxes: 120 + 150 + 45 + 150 = 465 s, under 8 minutes with the two probes above.
 run "gpu tests" 120 python -m pytest -q -rs -m gpu tests/
-run "triton kernels on the GPU" 90 python -m pytest -q -rs tests/test_triton_backend.py
-run "decode kernel micro-benchmark" 60 python scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
-run "bench.py default workload vs HF" 180 python bench.py --compare hf --hf-time-limit 60 --json
+# ~60-70 kernel variants to compile on a cold Triton cache, a second or two each
+run "triton kernels on the GPU" 150 python -m pytest -q -rs tests/test_triton_backend.py
+run "decode kernel micro-benchmark" 45 python scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
+# start-up + warm-up + ~20 s timed run, then HF: loading, and 40 s of generation at most
+run "bench.py default workload vs HF" 150 python bench.py --compare hf --hf-time-limit 40 --json
 echo "=== gpu_check exit status $status"
 exit $status

@@ -65,6 +65,95 @@ def test_cuda_graph_decode_equals_eager(model_dir, prompts, backend, max_num_seq
     assert outs[True] == outs[False]
 
 
+needs_triton = pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="triton is not installed")
+
+
+@needs_triton
+def test_triton_decode_graph_replay_equals_eager_bitwise():
+    """One bf16 decode step through TritonBackend with Qwen3-0.6B's heads: eagerly (5 rows, a block
+    table as wide as the longest context) and replayed from a graph captured the way DecodeGraphs
+    captures (8 padded rows, a max_model_len-wide table). Both split the KV alike: the same bits."""
+    from nanovllm.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+    from nanovllm.layers.backends.triton_attn import TritonBackend
+    from nanovllm.utils.context import Context
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, max_model_len, num_blocks = 16, 8, 128, 16, 4096, 512
+    lens = [1, 17, 300, 1000, 2500]
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, **bf16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, **bf16)
+    perm = torch.randperm(num_blocks).tolist()
+    widths = [-(-n // block_size) for n in lens]
+    tables = torch.full((len(lens), max(widths)), -1, dtype=torch.int32)
+    for i, w in enumerate(widths):
+        tables[i, :w] = torch.tensor([perm.pop() for _ in range(w)])
+    q = torch.randn(len(lens), heads, head_dim, **bf16)
+    size = padded_batch_size(len(lens), graph_batch_sizes(8))
+    i32 = dict(dtype=torch.int32, device="cuda")
+    eager = TritonBackend.forward(q, None, None, k_cache, v_cache, Context(
+        cu_seqlens_q=torch.arange(len(lens) + 1, **i32), seq_lens_k=torch.tensor(lens, **i32), max_seqlen_q=1,
+        block_tables=tables.cuda(), decode_only=True, padded_batch=size, max_model_len=max_model_len), 0.088)
+
+    static_q = torch.zeros(size, heads, head_dim, **bf16)
+    static_lens = torch.zeros(size, **i32)
+    static_tables = torch.full((size, max_model_len // block_size), -1, **i32)
+    context = Context(cu_seqlens_q=torch.arange(size + 1, **i32), seq_lens_k=static_lens, max_seqlen_q=1,
+                      block_tables=static_tables, decode_only=True, padded_batch=size, max_model_len=max_model_len)
+    forward = lambda: TritonBackend.forward(static_q, None, None, k_cache, v_cache, context, 0.088)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):                     # warm up (compile) off the capture
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = forward()
+    static_q[:len(lens)] = q
+    static_lens[:len(lens)] = torch.tensor(lens, **i32)
+    static_tables[:len(lens), :tables.shape[1]] = tables.cuda()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out[:len(lens)], eager)
+
+
+@needs_triton
+def test_graph_replay_equals_eager_forward_bitwise(model_dir, prompts):
+    """Each decode step of 8 sequences (a captured size: the same GEMM shapes both ways) runs the
+    eager forward, then replays its graph: the same hidden-state bits. Needs the model runner to
+    fill Context.padded_batch and max_model_len, as the captured contexts have them."""
+    llm = LLM(model_dir, dtype="bfloat16", attention_backend="triton", max_model_len=512, max_num_seqs=8,
+              gpu_memory_utilization=0.3)
+    runner = llm.model_runner
+    replay, batches = runner.graphs.run, []
+
+    def eager_then_replay(input_ids, positions, context):   # inside ModelRunner.execute's forward context
+        eager = runner.model(input_ids, positions).clone()
+        out = replay(input_ids, positions, context)
+        batches.append(input_ids.shape[0])
+        assert torch.equal(out, eager), f"batch {batches[-1]}: max |diff| {(out.float() - eager.float()).abs().max()}"
+        return out
+    runner.graphs.run = eager_then_replay
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert batches == [8] * 5
+
+
+@needs_triton
+def test_graph_capture_runs_under_inference_mode(model_dir):
+    """Warm-up and capture run under inference mode, as every step does (ModelRunner.execute)."""
+    from nanovllm.engine.cuda_graphs import DecodeGraphs
+    llm = LLM(model_dir, dtype="bfloat16", attention_backend="triton", max_model_len=512, max_num_seqs=4,
+              enforce_eager=True, gpu_memory_utilization=0.3)
+    runner, modes = llm.model_runner, []
+
+    def model(input_ids, positions):
+        modes.append(torch.is_inference_mode_enabled())
+        return runner.model(input_ids, positions)
+    config = llm.config
+    graphs = DecodeGraphs(model, 4, config.max_blocks_per_seq, config.max_model_len, config.hf_config.hidden_size,
+                          config.dtype, runner.device)
+    assert len(modes) == 2 * len(graphs.sizes) and all(modes)
+
+
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_backend_greedy_equals_torch_backend_fp32(model_dir, prompts, reference, backend):
     """In float32 on the GPU every backend gives Hugging Face's CPU greedy tokens."""
@@ -94,3 +183,21 @@ def test_kv_sizing_uses_gpu_memory_utilization(tmp_path):
     block_bytes = 2 * 8 * 256 * 8 * 128 * 2
     # the extra 20% of the GPU goes to KV blocks, give or take the allocator's rounding
     assert abs((counts[1] - counts[0]) * block_bytes - 0.2 * total) < 0.02 * total
+
+
+def test_graphs_fit_at_high_memory_utilization(tmp_path):
+    """CUDA graphs are captured after the KV cache takes its share: the budget must already hold
+    what capture needs (measured by a probe capture), or capture runs out of memory near 1."""
+    from nanovllm.utils.tiny_model import build_model
+    path = build_model(str(tmp_path / "wide_kv_graphs"), num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=32768)
+    torch.cuda.empty_cache()
+    llm = LLM(path, max_model_len=32768, kvcache_block_size=256, gpu_memory_utilization=0.97, dtype="bfloat16",
+              max_num_seqs=256)
+    assert llm.model_runner.graphs is not None
+    out = llm.generate([[1, 2, 3]] * 64, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(len(o["token_ids"]) == 8 for o in out)
+    free, total = torch.cuda.mem_get_info()
+    assert free > 0.005 * total, "the engine took more than gpu_memory_utilization allows"
+    del llm
+    torch.cuda.empty_cache()

@@ -1,9 +1,12 @@
-"""CUDA-graph bookkeeping that needs no GPU: the batch-size ladder and when a step may replay."""
+"""CUDA-graph bookkeeping that needs no GPU: the batch-size ladder, when a step may replay, and
+capture itself with torch.cuda's graph API faked on the CPU."""
+import contextlib
+
 import pytest
 import torch
 
-from nanovllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from nanovllm.utils.context import Context
+from nanovllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from nanovllm.utils.context import Context, get_context
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 16, 37, 100, 512])
@@ -22,3 +25,64 @@ def test_replay_only_for_decode_over_the_cache():
     assert not graphs.can_run(Context(decode_only=False, block_tables=tables), 4)   # a prefill chunk
     assert not graphs.can_run(Context(decode_only=True, block_tables=None), 4)      # one-token prompts
     assert not graphs.can_run(Context(decode_only=True, block_tables=tables), 33)   # above the ladder
+
+
+@pytest.mark.parametrize("max_batch", [1, 8, 37, 512])
+def test_padded_batch_size_is_the_replayed_size(max_batch):
+    sizes = graph_batch_sizes(max_batch)
+    for batch in range(1, max_batch + 1):
+        assert padded_batch_size(batch, sizes) == next(s for s in sizes if s >= batch)
+    assert padded_batch_size(max_batch + 1, sizes) == max_batch + 1   # above the ladder: eager, unpadded
+
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph's interface on the CPU: capture records nothing; replay logs the graph."""
+    replayed: list = []
+
+    def pool(self):
+        return None
+
+    def replay(self):
+        FakeGraph.replayed.append(self)
+
+
+class RecordingModel(torch.nn.Module):
+    """Logs, for every forward, whether inference mode was on and what the context said."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(1, hidden_size)   # parameters that require grad, as a loaded model's do
+        self.calls = []
+
+    def forward(self, input_ids, positions):
+        context = get_context()
+        self.calls.append((input_ids.shape[0], torch.is_inference_mode_enabled(), context.padded_batch,
+                           context.max_model_len, context.block_tables.shape))
+        return self.proj(positions[:, None].float())
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    FakeGraph.replayed = []
+
+
+def test_capture_runs_under_inference_mode_with_the_padded_context(fake_cuda_graphs):
+    """Warm-up and capture run as the steps do, under inference mode (no autograd recording in the
+    graph), and each captured context carries the padded batch and max_model_len, the fields the
+    eager path fills too, so attention sizes its split-KV alike in both."""
+    model = RecordingModel(8)
+    graphs = DecodeGraphs(model, max_batch=8, max_blocks_per_seq=4, max_model_len=64, hidden_size=8,
+                          dtype=torch.float32, device=torch.device("cpu"))
+    assert [c[0] for c in model.calls] == [8, 8, 4, 4, 2, 2, 1, 1]            # warm-up + capture, largest first
+    for size, inference, padded, max_len, table in model.calls:
+        assert inference and padded == size and max_len == 64 and table == (size, 4)
+    # a batch of 3 replays the graph of 4, its padding row cleared
+    context = Context(seq_lens_k=torch.tensor([5, 6, 7], dtype=torch.int32), decode_only=True,
+                      slot_mapping=torch.tensor([4, 5, 6]), block_tables=torch.zeros(3, 1, dtype=torch.int32))
+    with torch.inference_mode():
+        out = graphs.run(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), context)
+    assert FakeGraph.replayed == [graphs.graphs[4]] and out.shape == (3, 8)
+    assert graphs.seq_lens[3] == 0 and graphs.slot_mapping[3] == -1 and (graphs.block_tables[3] == -1).all()

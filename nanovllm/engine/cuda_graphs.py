@@ -13,6 +13,13 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(16, max_batch, 16)) | {max_batch})
 
 
+def padded_batch_size(batch: int, sizes: list[int]) -> int:
+    """The captured size a decode batch pads to; the batch itself above the ladder (it runs eagerly).
+    Eager decode steps record it too (Context.padded_batch): kernels that size their work from it
+    then do the same in an eager step as in its graph replay."""
+    return next((s for s in sizes if s >= batch), batch)
+
+
 class DecodeGraphs:
     """CUDA graphs of the model's decode forward, one per batch size of the ladder, sharing one
     memory pool. Each step's inputs are copied into static buffers and the batch is padded to the
@@ -20,9 +27,11 @@ class DecodeGraphs:
     all -1 block table, and stale block-table entries of earlier, longer steps are cleared."""
 
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None):
+        """sizes: the batch sizes to capture, graph_batch_sizes(max_batch) by default (a subset, e.g.
+        [max_batch] alone, to measure what capture costs)."""
         self.model = model
-        self.sizes = graph_batch_sizes(max_batch)
+        self.sizes = sorted(sizes) if sizes is not None else graph_batch_sizes(max_batch)
         self.max_model_len = max_model_len
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -33,20 +42,24 @@ class DecodeGraphs:
         self.output = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            with forward_context(self._context(size)):
-                self.output[:size] = model(self.input_ids[:size], self.positions[:size])  # warm-up, JIT
-                with torch.cuda.graph(graph, pool):
-                    self.output[:size] = model(self.input_ids[:size], self.positions[:size])
-            pool = graph.pool()
-            self.graphs[size] = graph
+        # Under inference mode, as every step runs (ModelRunner.execute): otherwise autograd would
+        # record the captured forward and keep its activations alive in the graphs' pool.
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+                graph = torch.cuda.CUDAGraph()
+                with forward_context(self._context(size)):
+                    self.output[:size] = model(self.input_ids[:size], self.positions[:size])  # warm-up, JIT
+                    with torch.cuda.graph(graph, pool):
+                        self.output[:size] = model(self.input_ids[:size], self.positions[:size])
+                pool = graph.pool()
+                self.graphs[size] = graph
         torch.cuda.synchronize(device)
 
     def _context(self, size: int) -> Context:
         return Context(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seq_lens_k=self.seq_lens[:size], max_seqlen_q=1,
                        max_seqlen_k=self.max_model_len, slot_mapping=self.slot_mapping[:size],
-                       block_tables=self.block_tables[:size], decode_only=True)
+                       block_tables=self.block_tables[:size], decode_only=True, padded_batch=size,
+                       max_model_len=self.max_model_len)
 
     def can_run(self, context: Context, batch: int) -> bool:
         """Decode-only steps over the cache (not a first step of one-token prompts, which has no
@@ -55,7 +68,7 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         batch = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= batch)
+        size = padded_batch_size(batch, self.sizes)
         self.input_ids[:batch] = input_ids
         self.positions[:batch] = positions
         self.slot_mapping.fill_(-1)

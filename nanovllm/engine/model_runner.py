@@ -1,8 +1,10 @@
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs
+from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import BlockTables, StepBatch
 from nanovllm.layers.attention import Attention
@@ -16,6 +18,17 @@ from nanovllm.utils.parallel import TPGroup, tensor_parallel
 # On CPU there is no memory to measure: without num_kvcache_blocks the KV cache gets this many
 # bytes (capped, like the GPU's budget, at what max_num_seqs full-length sequences could use).
 CPU_KV_CACHE_BYTES = 2 << 30
+# The decode graphs' memory is measured by capturing the largest one; the ladder's other graphs
+# share its pool but each adds an executable and pool fragments the probe does not see: a margin.
+GRAPH_MEMORY_MARGIN = 1.25
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """A host list or tensor on the device; through pinned memory when `pin`, so the copy is async."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if pin:
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -62,13 +75,24 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
-        self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len, self._to_device)
-        self.num_kv_blocks = self._allocate_kv_cache()
-        self.graphs = None
+        # (a function of its own, not the bound self._to_device: that would make a reference cycle
+        # runner -> history -> runner, keeping the model alive after `del llm` until gc runs)
+        self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len,
+                                          partial(to_device, device=self.device, pin=self.pin))
         # The torch backend loops over sequences on the host: it cannot be captured.
-        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch":
-            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, MAX_GRAPH_BATCH), config.max_blocks_per_seq,
-                                       config.max_model_len, config.hf_config.hidden_size, config.dtype, self.device)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch"
+        # The CUDA-graph ladder, eager steps included: a decode step records the size it pads to
+        # (Context.padded_batch), from which attention sizes its split-KV the same in both paths.
+        self.graph_sizes = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
+        self.num_kv_blocks = self._allocate_kv_cache()
+        self.graphs = self._capture_graphs() if self.use_graphs else None
+
+    def _capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
+        config = self.config
+        max_batch = min(config.max_num_seqs, MAX_GRAPH_BATCH)
+        return DecodeGraphs(self.model, max_batch, config.max_blocks_per_seq, config.max_model_len,
+                            config.hf_config.hidden_size, config.dtype, self.device,
+                            sizes=[max_batch] if largest_only else None)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -88,11 +112,28 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        graph_bytes = self._graph_memory() if self.use_graphs else 0
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        budget = total * config.gpu_memory_utilization - used_by_others - peak
+        budget = total * config.gpu_memory_utilization - used_by_others - peak - graph_bytes
         return min(max(0, int(budget) // self.kv_block_bytes() - 1), most_useful)  # - 1: the spare block
+
+    def _graph_memory(self) -> int:
+        """Device memory the decode CUDA graphs will hold, measured before the KV cache takes the
+        rest: the largest batch of the ladder is captured once over a throwaway cache of one
+        sequence's blocks, and the drop in free memory (its pool, static buffers and the graph
+        itself) is what capture takes. The ladder's smaller graphs share that pool; their own
+        executables are what GRAPH_MEMORY_MARGIN allows for."""
+        torch.cuda.empty_cache()
+        self._bind_kv_cache(self.config.max_blocks_per_seq)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        graphs = self._capture_graphs(largest_only=True)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        del graphs
+        self._bind_kv_cache(None)
+        torch.cuda.empty_cache()
+        return int(used * GRAPH_MEMORY_MARGIN)
 
     def _allocate_kv_cache(self) -> int:
         config = self.config
@@ -105,15 +146,25 @@ class ModelRunner:
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
                 f"{config.max_blocks_per_seq} that one sequence of max_model_len={config.max_model_len} "
                 f"tokens needs; raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
+        self._bind_kv_cache(num_blocks)
+        return num_blocks
+
+    def _bind_kv_cache(self, num_blocks: int | None):
+        """Allocate a KV cache of num_blocks usable blocks and hand each attention layer its slices
+        (None: unbind and free it)."""
+        self.kv_cache = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+        if num_blocks is None:
+            return
         layer = self.attention_layers[0]
         # [K/V, layer, block, slot in block, kv head, head dim]. One spare block at the end, never
         # handed out: slot -1 (CUDA-graph padding rows) writes into its last slot, harmlessly.
         cache = torch.zeros(2, len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads,
-                            layer.head_dim, dtype=config.dtype, device=self.device)
+                            layer.head_dim, dtype=self.config.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
         self.kv_cache = cache
-        return num_blocks
 
     @torch.inference_mode()
     def _warmup(self):
@@ -143,10 +194,7 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-        if self.pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device, self.pin)
 
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata."""
@@ -162,6 +210,7 @@ class ModelRunner:
         rows = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(batch.num_new))         # [T] -> seq
         slot_mapping = block_tables[rows, pos // self.block_size].long() * self.block_size + pos % self.block_size
         logits_indices = [cu_q[i + 1] - 1 for i, samples in enumerate(batch.samples) if samples]
+        decode_only = len(positions) == len(tables)
         context = Context(
             cu_seqlens_q=self._to_device(cu_q, torch.int32),
             cu_seqlens_k=self._to_device(torch.tensor([0] + lens_k).cumsum(0).int(), torch.int32),
@@ -169,7 +218,9 @@ class ModelRunner:
             slot_mapping=self._to_device(slot_mapping, torch.int64),
             block_tables=self._to_device(block_tables, torch.int32) if any(batch.starts) else None,
             logits_indices=self._to_device(logits_indices, torch.int64),
-            decode_only=len(positions) == len(tables), cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k)
+            decode_only=decode_only, cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k,
+            padded_batch=padded_batch_size(len(tables), self.graph_sizes) if decode_only else 0,
+            max_model_len=self.config.max_model_len)
         return self._to_device(batch.token_ids, torch.int64), self._to_device(pos, torch.int64), context
 
     def sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
