@@ -4,6 +4,11 @@
 
 Times ModelRunner.sampling_batch + Sampler for a decode step in several configurations and
 prints each one's time and its cost over plain greedy argmax.
+
+The logits are peaked like a language model's (LOGIT_SCALE). Two more lines show the cases where
+top-p cannot be served from the most likely NUM_CANDIDATES tokens and sorts whole rows: flat logits
+(the nucleus holds half the vocabulary) and logits rounded to bfloat16, as an LM head in bf16 gives,
+whose ties often straddle the top-p cut.
 """
 import argparse
 import os
@@ -19,6 +24,11 @@ from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
 from nanovllm.layers.sampler import Sampler, TokenHistory  # noqa: E402
 
+# Standard normal logits over a 150k vocabulary are nearly flat: at temperature 0.8 the 0.9 nucleus
+# holds ~78k tokens. Scaled by 4 the top token has ~0.26 and the nucleus ~90 tokens (at most ~300),
+# like a language model's next-token distribution.
+LOGIT_SCALE = 4.0
+
 CONFIGS = {
     "greedy": dict(temperature=0),
     "temperature": dict(temperature=0.8),
@@ -27,7 +37,10 @@ CONFIGS = {
     "temperature+penalties": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
     "all of the above": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
                              frequency_penalty=0.5, repetition_penalty=1.1),
+    "temperature+top_p, flat logits": dict(temperature=0.8, top_p=0.9),
+    "temperature+top_p, bf16 logits": dict(temperature=0.8, top_p=0.9),
 }
+LOGITS = {"temperature+top_p, flat logits": "flat", "temperature+top_p, bf16 logits": "bf16"}  # others: "peaked"
 
 
 def main(argv=None):
@@ -45,7 +58,8 @@ def main(argv=None):
     runner._to_device = ModelRunner._to_device.__get__(runner)
     runner.token_history = TokenHistory(args.batch, args.prompt_len + args.output_len, runner._to_device)
     sampler = Sampler()
-    logits = torch.randn(args.batch, args.vocab, device=device)
+    normal = torch.randn(args.batch, args.vocab, device=device)
+    logits_of = {"flat": normal, "peaked": LOGIT_SCALE * normal, "bf16": (LOGIT_SCALE * normal).bfloat16().float()}
     gen = torch.Generator().manual_seed(0)
     results = {}
     for name, params in CONFIGS.items():
@@ -55,6 +69,7 @@ def main(argv=None):
             seq = Sequence(ids[:args.prompt_len], SamplingParams(max_tokens=4096, **params), seed=i)
             seq.token_ids.extend(ids[args.prompt_len:])
             seqs.append(seq)
+        logits = logits_of[LOGITS.get(name, "peaked")]
         times = []
         for _ in range(args.iters + 1):  # the first call warms up
             if device.type == "cuda":

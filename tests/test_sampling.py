@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p,
+                                     filter_candidates, sample_filtered, sample_from, uniform_per_row)
 
 # chi-square critical value for 7 degrees of freedom at p = 0.001: a correct sampler fails the
 # test with probability 0.1% for a random seed, and never for the fixed one below.
@@ -51,6 +53,107 @@ def test_top_k_top_p_min_p_zero_exactly_the_right_tokens():
     for options, allowed in [(dict(top_ks=torch.full((2000,), 2), top_ps=torch.ones(2000)), {1, 3}),
                              (dict(min_ps=torch.full((2000,), 0.55)), {1, 3})]:
         assert set(sample_many(logits, 1.0, 2000, **options).tolist()) == allowed
+
+
+def _reference_top_k_top_p(probs, top_ks, top_ps):
+    """The full-sort top-k/top-p from before the candidate path, frozen: the semantics to keep."""
+    sorted_probs, order = probs.sort(-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    drop = (top_ks[:, None] > 0) & (rank >= top_ks[:, None])
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop |= mass_before >= top_ps[:, None]
+    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def _reference_filter(probs, top_ks, top_ps, min_ps):
+    if top_ks is not None:
+        probs = _reference_top_k_top_p(probs, top_ks, top_ps)
+    if min_ps is not None:
+        probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    return probs
+
+
+def hard_rows(vocab, k, device="cpu", seed=0):
+    """Probabilities [R, V] and per-row (top_ks, top_ps, min_ps) [R]: every combination of shapes of
+    distribution (ties everywhere, underflow to 0, long runs of equal values at every cut) and
+    filters around the candidate count k (top_p too large for the candidates, top_k above k)."""
+    g = torch.Generator().manual_seed(seed)
+    zipf = -1.1 * torch.arange(1, vocab + 1).double().log().float()
+    shapes = [lambda x: x, lambda x: 6 * x, lambda x: 60 * x, lambda x: 0 * x,
+              lambda x: (2 * x).bfloat16().float(), lambda x: (2 * x).round(),
+              lambda x: zipf[torch.randperm(vocab, generator=g)]]
+    top_ks = [-1, 1, 2, 50, k - 1, k, k + 1, 2 * k]
+    top_ps = [1e-6, 0.5, 0.9, 0.99, 0.9999, 1.0]
+    min_ps = [0.0, 0.01, 0.05, 0.5, 1.0]
+    combos = [(s, tk, tp, mp) for s in shapes for tk in top_ks for tp in top_ps for mp in min_ps]
+    logits = torch.stack([s(torch.randn(vocab, generator=g)) for s, *_ in combos])
+    params = [torch.tensor([c[i] for c in combos], device=device) for i in (1, 2, 3)]
+    return torch.softmax(logits.to(device), -1), *params
+
+
+FILTERS = {"top_k+top_p+min_p": (True, True), "top_k+top_p": (True, False), "min_p": (False, True)}
+VOCAB_FOR = {16: 500, 1024: 3000}  # candidates -> a vocabulary with room for top_k = 2 * candidates
+
+
+@pytest.mark.parametrize("k", [16, 1024])
+@pytest.mark.parametrize("filters", FILTERS)
+def test_filter_candidates_keep_exactly_what_the_full_sort_keeps(monkeypatch, k, filters):
+    """Rows the candidate path vouches for have, bit for bit, the full sort's filtered probabilities;
+    and it does not vouch for rows whose kept set may reach past the candidates."""
+    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", k)
+    probs, top_ks, top_ps, min_ps = hard_rows(VOCAB_FOR[k], k)
+    top_k_top_p, min_p = FILTERS[filters]
+    args = (top_ks if top_k_top_p else None, top_ps if top_k_top_p else None, min_ps if min_p else None)
+    ids, kept, exact = filter_candidates(probs, *args)
+    expected = _reference_filter(probs, *args)
+    got = torch.zeros_like(probs).scatter(-1, ids, kept)
+    assert torch.equal(got[exact], expected[exact])
+    assert 0.2 < exact.float().mean() < 0.9, exact.float().mean()  # both paths exercised
+    needs_more = (expected > 0).sum(-1) >= k
+    assert not (exact & needs_more).any()
+
+
+@pytest.mark.parametrize("k", [16, 1024])
+@pytest.mark.parametrize("filters", FILTERS)
+def test_sample_filtered_draws_the_full_sort_samplers_tokens(monkeypatch, k, filters):
+    monkeypatch.setattr(sampler_module, "NUM_CANDIDATES", k)
+    probs, top_ks, top_ps, min_ps = hard_rows(VOCAB_FOR[k], k, seed=1)
+    top_k_top_p, min_p = FILTERS[filters]
+    args = (top_ks if top_k_top_p else None, top_ps if top_k_top_p else None, min_ps if min_p else None)
+    expected_probs = _reference_filter(probs, *args)
+    rows = probs.shape[0]
+    for position in range(3):
+        uniform = uniform_per_row(torch.arange(rows) * 7919 + 1, torch.full((rows,), position))
+        assert torch.equal(sample_filtered(probs, uniform, *args), sample_from(expected_probs, uniform))
+
+
+def test_sample_filtered_redoes_rows_whose_draw_is_near_a_boundary(monkeypatch):
+    """A target near a cumulative boundary (where summing in another order could pick the neighbour)
+    sends the row the full way; with a huge tolerance almost every row goes, with the same tokens."""
+    probs, top_ks, top_ps, min_ps = hard_rows(3000, 1024, seed=2)
+    uniform = uniform_per_row(torch.arange(probs.shape[0]), torch.zeros(probs.shape[0], dtype=torch.int64))
+    expected = sample_from(_reference_filter(probs, top_ks, top_ps, min_ps), uniform)
+    redone = []
+    full_sample_from = sampler_module.sample_from
+    monkeypatch.setattr(sampler_module, "sample_from", lambda p, u: redone.append(len(u)) or full_sample_from(p, u))
+    monkeypatch.setattr(sampler_module, "CDF_TOLERANCE", 0.25)
+    assert torch.equal(sample_filtered(probs, uniform, top_ks, top_ps, min_ps), expected)
+    assert redone and redone[0] > 0.5 * probs.shape[0]
+
+
+def test_sampler_with_filters_matches_full_sort_sampler():
+    """The Sampler end to end (temperatures, greedy rows, all three filters) against softmax, the
+    full-sort filters and inverse-transform sampling."""
+    probs, top_ks, top_ps, min_ps = hard_rows(3000, 1024, seed=3)
+    logits, rows = probs.log().clamp(min=-1e4), probs.shape[0]
+    temperatures = torch.tensor([0.0, 0.3, 1.0, 1.7]).repeat(rows // 4 + 1)[:rows]
+    seeds, positions = torch.arange(rows) * 31 + 7, torch.full((rows,), 11)
+    tokens, _ = Sampler()(logits, SamplingBatch(temperatures=temperatures, seeds=seeds, positions=positions,
+                                                top_ks=top_ks, top_ps=top_ps, min_ps=min_ps))
+    sampling = temperatures > 0
+    scaled = torch.softmax(logits / torch.where(sampling, temperatures, 1.0)[:, None], -1)
+    sampled = sample_from(_reference_filter(scaled, top_ks, top_ps, min_ps), uniform_per_row(seeds, positions))
+    assert torch.equal(tokens, torch.where(sampling, sampled, logits.argmax(-1)))
 
 
 def test_penalties_match_direct_computation():
@@ -276,16 +379,19 @@ def test_sampler_microbenchmark_runs():
 
 
 @pytest.mark.gpu
-def test_sampler_makes_no_host_sync():
+@pytest.mark.parametrize("vocab", [1000, 151936])
+def test_sampler_makes_at_most_one_host_sync(vocab):
     """Penalties, min_tokens' banned tokens, top-k/top-p/min-p and logprobs: none may wait for the
-    device (only reading the sampled tokens back does)."""
+    device (only reading the sampled tokens back does), but for the one check of which rows the
+    top-k/top-p/min-p candidates cannot serve, with a vocabulary larger than the candidates."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    import warnings
     from types import SimpleNamespace
 
-    from nanovllm.layers.sampler import TokenHistory
+    from nanovllm.layers.sampler import NUM_CANDIDATES, TokenHistory
     device = torch.device("cuda")
-    rows, vocab = 8, 1000
+    rows = 8
     to_device = lambda values, dtype: values.pin_memory().to(device, non_blocking=True)  # noqa: E731
     seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(i, i + 20)), num_prompt_tokens=10, num_tokens=20)
             for i in range(rows)]
@@ -295,11 +401,33 @@ def test_sampler_makes_no_host_sync():
     ones = torch.ones(rows, device=device)
     ints = torch.arange(rows, device=device)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error" if vocab <= NUM_CANDIDATES else "warn")
     try:
-        batch = SamplingBatch(temperatures=ones, seeds=ints, positions=ints, top_ks=ints + 5, top_ps=ones * 0.9,
-                              min_ps=ones * 0.01, penalties=(*history.inputs(seqs, vocab), ones, ones, ones * 1.1),
-                              banned=(ints, ints), num_logprobs=3)
-        Sampler()(logits, batch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = SamplingBatch(temperatures=ones, seeds=ints, positions=ints, top_ks=ints + 5, top_ps=ones * 0.9,
+                                  min_ps=ones * 0.01, penalties=(*history.inputs(seqs, vocab), ones, ones, ones * 1.1),
+                                  banned=(ints, ints), num_logprobs=3)
+            Sampler()(logits, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) <= 1
+
+
+@pytest.mark.gpu
+def test_sample_filtered_draws_the_full_sort_samplers_tokens_on_cuda():
+    """On CUDA too (tree-shaped cumulative sums, stable radix sorts): hard rows, and a batch the size
+    of the benchmark's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    big = torch.softmax(torch.randn(256, 151936, device="cuda") / 0.8, -1)
+    full = lambda x: torch.full((256,), x, device="cuda")  # noqa: E731
+    for probs, top_ks, top_ps, min_ps in [hard_rows(5000, 1024, device="cuda"),
+                                          (big, full(50), full(0.9), full(0.05)),
+                                          (big, full(-1), full(0.9), None)]:
+        rows = probs.shape[0]
+        ints = torch.arange(rows, device="cuda")
+        uniform = uniform_per_row(ints, ints * 0)
+        expected = sample_from(_reference_filter(probs, top_ks, top_ps, min_ps), uniform)
+        assert torch.equal(sample_filtered(probs, uniform, top_ks, top_ps, min_ps), expected)

@@ -44,7 +44,8 @@ def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Zero all but each row's top_k most likely tokens (top_k <= 0: keep all) and all but the
-    smallest set whose mass reaches top_p (the most likely token always stays). probs: [B, V]."""
+    smallest set whose mass reaches top_p (the most likely token always stays). probs: [B, V].
+    This full sort defines the semantics; sample_filtered reproduces it from a few candidates."""
     sorted_probs, order = probs.sort(-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     drop = (top_ks[:, None] > 0) & (rank >= top_ks[:, None])
@@ -56,6 +57,93 @@ def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
 def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     """Zero tokens less likely than min_p times the row's most likely token."""
     return probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
+
+
+# Candidates per row: a full sort of a 150k vocabulary costs several times the rest of sampling,
+# while kept sets almost always lie within the 1024 most likely tokens (top_k <= 1023, or top_p /
+# min_p reached within them), which torch.topk finds far more cheaply. Other rows fall back.
+NUM_CANDIDATES = 1024
+# Margin on "the candidates' mass reaches top_p": a token past the candidates has at least the last
+# candidate's mass before it as long as the cumulative sum never decreases. On the CPU it cannot
+# (float64 accumulation, one term after another); CUDA's tree-shaped scan might dip by an ulp or two
+# of float32 (6e-8 near 1), far below this margin.
+TOP_P_MARGIN = 1e-6
+# Our float64 cumulative sum over the kept candidates and sample_from's over the whole vocabulary
+# may group the terms differently (on CUDA); each is within V * 2**-53 of the exact sum (2e-11 of
+# the total for V = 150k). A target farther than CDF_TOLERANCE * total from every boundary picks
+# the same token from both; nearer (about one row in 10**9 per boundary), the row is redone.
+CDF_TOLERANCE = 1e-9
+
+
+def filter_candidates(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
+                      min_ps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """apply_top_k_top_p then apply_min_p, on each row's NUM_CANDIDATES most likely tokens.
+    probs [B, V] -> (ids [B, K], kept probs [B, K] (0: dropped), exact [B]): where exact, the
+    full-sort filters keep exactly these tokens with these probabilities and zero all others.
+
+    Why that holds: the K largest values are the same multiset however ties are ordered, so ranks
+    0..K-1 see the same sorted values, hence the same mass_before (cumsum is prefix-consistent)
+    and the same drop decision per rank. What can differ is (a) ranks >= K, not seen here: exact
+    needs a proof they are dropped (top_k <= K, mass reached, min_p threshold above the last
+    candidate, or probability 0); (b) which token holds a rank inside a run of equal values: the
+    full sort orders ties its own way (not stably on the CPU), so a run must be wholly kept or
+    wholly dropped, and the last candidate dropped (its run may continue past K). Zero-probability
+    tokens count as dropped: kept or not, they stay 0."""
+    k = NUM_CANDIDATES
+    vals, ids = probs.topk(k, -1)  # [B, K] descending, ties in topk's own order
+    drop = torch.zeros_like(vals, dtype=torch.bool)
+    last = vals[:, -1]             # every token past the candidates is at most this likely
+    tail_dropped = last == 0
+    if top_ks is not None:
+        drop |= (top_ks[:, None] > 0) & (torch.arange(k, device=probs.device) >= top_ks[:, None])
+        mass_before = vals.cumsum(-1) - vals  # bit-equal to the full sort's first K ranks
+        drop |= mass_before >= top_ps[:, None]
+        tail_dropped |= ((top_ks > 0) & (top_ks <= k)) | (mass_before[:, -1] >= top_ps + TOP_P_MARGIN)
+    if min_ps is not None:
+        threshold = min_ps * vals[:, 0]  # the most likely token survives top-k/top-p: it is the max
+        drop |= vals < threshold[:, None]
+        tail_dropped |= last < threshold
+    kept = ~drop & (vals > 0)
+    split_tie = ((vals[:, 1:] == vals[:, :-1]) & (kept[:, 1:] != kept[:, :-1])).any(-1)
+    return ids, vals.masked_fill(~kept, 0.0), tail_dropped & ~kept[:, -1] & ~split_tie
+
+
+def sample_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | None,
+                    top_ps: torch.Tensor | None, min_ps: torch.Tensor | None,
+                    active: torch.Tensor | None = None) -> torch.Tensor:
+    """sample_from(apply_min_p(apply_top_k_top_p(probs, ...), ...), uniform), token for token, without
+    sorting the vocabulary: sample among filter_candidates' kept tokens, and redo the rows it cannot
+    vouch for the full way. active [B] bool (default all): rows whose token is used; others never
+    fall back. probs [B, V], uniform [B] -> [B] int64.
+
+    One host sync, to learn which rows to redo: without it (fixed shapes) every row would have to be
+    sorted whenever any might need it, which is the cost this avoids. It comes after the common path
+    is queued, when the caller is about to read the tokens anyway; a small vocabulary needs none."""
+    def full_way(p, u, rows):
+        if top_ks is not None:
+            p = apply_top_k_top_p(p, top_ks[rows], top_ps[rows])
+        if min_ps is not None:
+            p = apply_min_p(p, min_ps[rows])
+        return sample_from(p, u)
+
+    k = NUM_CANDIDATES
+    if probs.shape[-1] <= k:  # a small vocabulary: the full sort is cheap and needs no sync
+        return full_way(probs, uniform, slice(None))
+    ids, kept, exact = filter_candidates(probs, top_ks, top_ps, min_ps)
+    # sample_from accumulates in vocabulary order; dropped tokens add 0 to the sum
+    ids, order = ids.sort(-1)
+    cdf = kept.gather(-1, order).double().cumsum(-1)                     # [B, K]
+    tolerance = cdf[:, -1:] * CDF_TOLERANCE
+    target = uniform[:, None] * cdf[:, -1:]                              # [B, 1]
+    pos = torch.searchsorted(cdf, target).clamp_(max=k - 1)              # first cdf >= target
+    below = torch.where(pos > 0, cdf.gather(-1, (pos - 1).clamp(min=0)), 0.0)
+    exact &= ((target - below > tolerance) & (cdf.gather(-1, pos) - target > tolerance))[:, 0]
+    tokens = ids.gather(-1, pos)[:, 0]
+    redo = ~exact if active is None else ~exact & active
+    rows = redo.nonzero()[:, 0]  # the host sync
+    if rows.numel():
+        tokens[rows] = full_way(probs[rows], uniform[rows], rows)
+    return tokens
 
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor, presence: torch.Tensor,
@@ -154,11 +242,11 @@ class Sampler(nn.Module):
         if not batch.all_greedy:
             sampling = batch.temperatures > 0
             probs = torch.softmax(logits / torch.where(sampling, batch.temperatures, 1.0)[:, None], -1)
-            if batch.top_ks is not None:
-                probs = apply_top_k_top_p(probs, batch.top_ks, batch.top_ps)
-            if batch.min_ps is not None:
-                probs = apply_min_p(probs, batch.min_ps)
-            sampled = sample_from(probs, uniform_per_row(batch.seeds, batch.positions))
+            uniform = uniform_per_row(batch.seeds, batch.positions)
+            if batch.top_ks is None and batch.min_ps is None:
+                sampled = sample_from(probs, uniform)
+            else:
+                sampled = sample_filtered(probs, uniform, batch.top_ks, batch.top_ps, batch.min_ps, active=sampling)
             tokens = torch.where(sampling, sampled, tokens)
         if batch.num_logprobs is not None:
             top = raw.topk(batch.num_logprobs, -1) if batch.num_logprobs > 0 else None
