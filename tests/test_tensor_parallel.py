@@ -171,7 +171,7 @@ def test_interpreter_exit_and_ctrl_c_end_workers(model_dir, tmp_path, interrupt)
 
 def test_decode_message_is_small():
     """A decode step at 256 sequences sends each one's last token, not its prompt or its table."""
-    tables = BlockTables()
+    tables = BlockTables(max_rows=256, max_blocks_per_seq=63)
     seqs = []
     for i in range(256):
         seq = Sequence(list(range(1000)), GREEDY, seed=0)
@@ -213,3 +213,28 @@ def test_nccl_group_has_a_timeout(monkeypatch):
     monkeypatch.setattr(parallel.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     group = parallel.TPGroup(None, 0, 2, "cuda")
     assert group.pg.options is not None and group.pg.options._timeout == parallel.COLLECTIVE_TIMEOUT
+
+
+def test_block_tables_copies_agree_across_growth_preemption_and_forgetting():
+    """Rank 0 encodes table changes against its persistent copy; another rank applies them. Both
+    copies must hold every scheduled sequence's table, in the same rows, step after step."""
+    import random
+    rng = random.Random(0)
+    rank0, rank1 = BlockTables(max_rows=8, max_blocks_per_seq=12), BlockTables(max_rows=8, max_blocks_per_seq=12)
+    seqs = [Sequence([1, 2, 3], GREEDY, seed=0) for _ in range(12)]
+    for seq in seqs:
+        seq.block_table = [rng.randrange(100)]
+    for _ in range(200):
+        batch_seqs = rng.sample(seqs, rng.randint(1, 8))
+        for seq in batch_seqs:
+            action = rng.random()
+            if action < 0.3 and len(seq.block_table) < 12:
+                seq.block_table.append(rng.randrange(100))            # grows in place
+            elif action < 0.4:
+                seq.block_table = [rng.randrange(100) for _ in range(rng.randint(1, 12))]  # preempted, re-admitted
+        batch = rank0.encode(batch_seqs)
+        rank1.apply(pickle.loads(pickle.dumps(batch)))
+        for seq in batch_seqs:
+            assert rank0[seq.seq_id] == rank1[seq.seq_id] == seq.block_table
+            assert rank0.rows[seq.seq_id] == rank1.rows[seq.seq_id]
+        assert set(rank0.rows) == set(rank1.rows) == {seq.seq_id for seq in batch_seqs}

@@ -10,7 +10,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
@@ -156,8 +156,8 @@ class LLMEngine:
         assert seqs or self.scheduler.is_finished(), "scheduler made no progress"
         if not seqs:
             return []
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        updated = [seq for seq in seqs if seq.samples_this_step]
+        num_tokens = sum([seq.num_scheduled_tokens for seq in seqs])
+        updated = [seq for seq in seqs if seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq.token_ids)]
         sampled, logprobs = self.model_runner.run(seqs)
         self.scheduler.postprocess(seqs, sampled, logprobs)
         for seq in updated:
@@ -224,7 +224,8 @@ class LLMEngine:
         pending = list(seqs)                                 # not yet reported as finished
         try:
             while pending:
-                news = [seq for seq in pending if seq.is_finished or seq.num_tokens > seen[seq.seq_id]]
+                news = [seq for seq in pending
+                        if seq.status is SequenceStatus.FINISHED or len(seq.token_ids) > seen[seq.seq_id]]
                 if not news:
                     self.step()
                     continue

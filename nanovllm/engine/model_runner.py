@@ -1,5 +1,6 @@
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,7 +62,7 @@ class ModelRunner:
         else:
             self.device = torch.device("cpu")
         self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
-        self.tables = BlockTables()
+        self.tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq)
         self.last_message_bytes = 0
         model_class = resolve_model_class(config.hf_config, config.max_model_len)
         with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
@@ -197,31 +198,44 @@ class ModelRunner:
         return to_device(values, dtype, self.device, self.pin)
 
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata."""
-        positions, cu_q, lens_k = [], [0], []
-        for start, n in zip(batch.starts, batch.num_new):
-            positions.extend(range(start, start + n))
-            cu_q.append(cu_q[-1] + n)
-            lens_k.append(start + n)
-        tables = [self.tables[seq_id] for seq_id in batch.seq_ids]
-        width = max(map(len, tables))
-        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, W]
-        pos = torch.tensor(positions, dtype=torch.int64)                                                # [T]
-        rows = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(batch.num_new))         # [T] -> seq
-        slot_mapping = block_tables[rows, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        logits_indices = [cu_q[i + 1] - 1 for i, samples in enumerate(batch.samples) if samples]
-        decode_only = len(positions) == len(tables)
+        """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata.
+
+        Vectorized over the persistent block tables (numpy on the host), and everything the
+        device needs goes over in one host-to-device copy of one int64 buffer."""
+        num_seqs, bs = len(batch.seq_ids), self.block_size
+        starts = np.array(batch.starts, dtype=np.int64)                              # [B]
+        num_new = np.array(batch.num_new, dtype=np.int64)                            # [B]
+        lens_k = starts + num_new                                                    # [B]
+        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu_q[1:])                                             # [B+1]
+        num_tokens = int(cu_q[-1])
+        decode_only = num_tokens == num_seqs
+        if decode_only:
+            seq_of_token, positions = np.arange(num_seqs), starts                    # [T] each
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+            positions = starts[seq_of_token] + np.arange(num_tokens) - cu_q[:-1][seq_of_token]
+        rows = self.tables.rows_of(batch.seq_ids)                                    # [B]
+        slot_mapping = self.tables.tables[rows[seq_of_token], positions // bs] * bs + positions % bs  # [T]
+        has_context = bool(starts.any())  # some sequence attends to cached K/V: pass block tables
+        width = int(-(-lens_k.max() // bs)) if has_context else 0
+        logits_indices = (cu_q[1:] - 1)[np.array(batch.samples, dtype=bool)]        # [S]
+        cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(lens_k, out=cu_k[1:])                                              # [B+1]
+        parts = [np.array(batch.token_ids, dtype=np.int64), positions, slot_mapping, cu_q, cu_k, lens_k,
+                 logits_indices, self.tables.tables[rows, :width].ravel()]            # ..., [B * W]
+        flat = torch.from_numpy(np.concatenate(parts))
+        input_ids, pos, slots, cu_q_d, cu_k_d, lens_d, logits_d, tables_d = \
+            self._to_device(flat, torch.int64).split([len(p) for p in parts])
         context = Context(
-            cu_seqlens_q=self._to_device(cu_q, torch.int32),
-            cu_seqlens_k=self._to_device(torch.tensor([0] + lens_k).cumsum(0).int(), torch.int32),
-            seq_lens_k=self._to_device(lens_k, torch.int32), max_seqlen_q=max(batch.num_new), max_seqlen_k=max(lens_k),
-            slot_mapping=self._to_device(slot_mapping, torch.int64),
-            block_tables=self._to_device(block_tables, torch.int32) if any(batch.starts) else None,
-            logits_indices=self._to_device(logits_indices, torch.int64),
-            decode_only=decode_only, cu_seqlens_q_cpu=cu_q, seq_lens_k_cpu=lens_k,
-            padded_batch=padded_batch_size(len(tables), self.graph_sizes) if decode_only else 0,
+            cu_seqlens_q=cu_q_d.int(), cu_seqlens_k=cu_k_d.int(),
+            seq_lens_k=lens_d.int(), max_seqlen_q=int(num_new.max()), max_seqlen_k=int(lens_k.max()),
+            slot_mapping=slots, block_tables=tables_d.view(num_seqs, width).int() if has_context else None,
+            logits_indices=logits_d, decode_only=decode_only, cu_seqlens_q_cpu=cu_q.tolist(),
+            seq_lens_k_cpu=lens_k.tolist(),
+            padded_batch=padded_batch_size(num_seqs, self.graph_sizes) if decode_only else 0,
             max_model_len=self.config.max_model_len)
-        return self._to_device(batch.token_ids, torch.int64), self._to_device(pos, torch.int64), context
+        return input_ids, pos, context
 
     def sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
         """Gather the sampling parameters of the sampling sequences into device tensors."""
@@ -229,7 +243,7 @@ class ModelRunner:
         floats = lambda values: self._to_device(values, torch.float32)  # noqa: E731
         ints = lambda values: self._to_device(values, torch.int64)  # noqa: E731
         batch = SamplingBatch(temperatures=floats([p.temperature for p in params]), seeds=ints([s.seed for s in seqs]),
-                              positions=ints([s.num_tokens for s in seqs]),
+                              positions=ints([len(s.token_ids) for s in seqs]),
                               all_greedy=all(p.temperature == 0 for p in params))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             batch.top_ks, batch.top_ps = ints([p.top_k for p in params]), floats([p.top_p for p in params])
@@ -240,7 +254,8 @@ class ModelRunner:
                                floats([p.presence_penalty for p in params]),
                                floats([p.frequency_penalty for p in params]),
                                floats([p.repetition_penalty for p in params]))
-        banned = [(i, t) for i, seq in enumerate(seqs) if seq.num_completion_tokens < seq.sampling_params.min_tokens
+        banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
+                  if p.min_tokens and seq.num_completion_tokens < p.min_tokens
                   for t in seq.stop_ids]  # min_tokens: no stop token can be drawn yet
         if banned:
             rows, tokens = zip(*banned)

@@ -41,11 +41,15 @@ class Scheduler:
         """Pick this step's sequences and set each one's num_scheduled_tokens."""
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
+        block_size = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+            computed = seq.num_computed_tokens
+            num_tokens = min(len(seq.token_ids) - computed, budget)
+            # (most steps need no new block: skip the block manager then)
+            while (computed + num_tokens > len(seq.block_table) * block_size
+                   and not self.block_manager.grow(seq, computed + num_tokens)):
                 victim = self.running.pop()  # the most recently admitted; never one already scheduled
                 self._preempt(victim)
                 if victim is seq:
@@ -83,11 +87,13 @@ class Scheduler:
         now = perf_counter()
         tokens = iter(sampled)
         token_logprobs = iter(logprobs) if logprobs is not None else None
+        block_size = self.block_manager.block_size
         for seq in seqs:
-            samples = seq.samples_this_step
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.cache_full_blocks(seq)
+            computed = seq.num_computed_tokens + seq.num_scheduled_tokens
+            samples = computed == len(seq.token_ids)
+            seq.num_computed_tokens, seq.num_scheduled_tokens = computed, 0
+            if computed // block_size > len(seq.block_hashes):  # a block was filled: publish it
+                self.block_manager.cache_full_blocks(seq)
             if not samples:
                 continue
             token = next(tokens)
@@ -101,11 +107,12 @@ class Scheduler:
             if seq.forks:  # the prompt is computed: the other samples now find its blocks cached
                 self.waiting.extendleft(reversed(seq.forks))
                 seq.forks = []
-            params = seq.sampling_params
-            if token in seq.stop_ids and seq.num_completion_tokens >= params.min_tokens:
+            params, num_tokens = seq.sampling_params, len(seq.token_ids)
+            num_completion = num_tokens - seq.num_prompt_tokens
+            if token in seq.stop_ids and num_completion >= params.min_tokens:
                 seq.finish_reason = "stop"
                 seq.stop_reason = token if token in params.stop_token_ids else None
-            elif seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif num_completion >= params.max_tokens or num_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 self.finish(seq)

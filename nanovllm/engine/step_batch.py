@@ -1,4 +1,7 @@
+import heapq
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from nanovllm.engine.sequence import Sequence
 
@@ -22,43 +25,77 @@ class StepBatch:
 
 
 class BlockTables:
-    """One rank's copy of the block tables of the sequences in recent steps.
+    """One rank's copy of the block tables of the sequences in recent steps: a persistent batch.
 
-    Rank 0 encodes each step as changes against its copy (a table only grows while its sequence
-    runs; after preemption it is sent whole again); the other ranks apply those changes.
+    tables [max_rows, max_blocks_per_seq] int32, one row per sequence, written only where a
+    table changes: a sequence gets a row when it is first scheduled (the lowest free one, so
+    every rank assigns the same), its new blocks are appended as it grows, and its row is freed
+    when a step no longer schedules it. A step's block tables are then one gather of rows.
+
+    Rank 0 encodes each step as changes against its copy; the other ranks apply them. A table
+    only grows in place while its sequence holds its blocks (BlockManager.grow extends the list);
+    after preemption the sequence gets a new list object, so `is` tells a grown table from a new one.
     """
 
-    def __init__(self):
-        self.tables: dict[int, list[int]] = {}
+    def __init__(self, max_rows: int, max_blocks_per_seq: int):
+        self.tables = np.full((max_rows, max_blocks_per_seq), -1, dtype=np.int32)
+        self.rows: dict[int, int] = {}                     # seq_id -> row
+        self.lengths = np.zeros(max_rows, dtype=np.int64)  # blocks known per row
+        self.free_rows = list(range(max_rows))             # a heap: the lowest free row first
+        self.known: dict[int, list[int]] = {}             # rank 0: seq_id -> the table list last seen
 
     def __getitem__(self, seq_id: int) -> list[int]:
-        return self.tables[seq_id]
+        row = self.rows[seq_id]
+        return self.tables[row, :self.lengths[row]].tolist()
+
+    def _row(self, seq_id: int) -> int:
+        row = self.rows.get(seq_id)
+        if row is None:
+            row = self.rows[seq_id] = heapq.heappop(self.free_rows)
+            self.lengths[row] = 0
+        return row
+
+    def _write(self, seq_id: int, offset: int, blocks: list[int]):
+        row = self._row(seq_id)
+        self.tables[row, offset:offset + len(blocks)] = blocks
+        self.lengths[row] = offset + len(blocks)
+
+    def _forget(self, seq_ids):
+        for seq_id in seq_ids:
+            heapq.heappush(self.free_rows, self.rows.pop(seq_id))
+            self.known.pop(seq_id, None)
 
     def encode(self, seqs: list[Sequence]) -> StepBatch:
+        """This step's message (rank 0), applying its table changes to this copy on the way."""
+        scheduled = {seq.seq_id for seq in seqs}
+        forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
+        self._forget(forget)
         updates = []
         for seq in seqs:
-            known, table = self.tables.get(seq.seq_id), seq.block_table
-            if known is not None and len(known) <= len(table) and table[:len(known)] == known:
-                if len(table) > len(known):
-                    updates.append((seq.seq_id, len(known), table[len(known):]))
+            table, known = seq.block_table, self.known.get(seq.seq_id)
+            if known is table:
+                offset = int(self.lengths[self.rows[seq.seq_id]])
+                if len(table) == offset:
+                    continue
             else:
-                updates.append((seq.seq_id, 0, list(table)))
-            self.tables[seq.seq_id] = list(table)
-        scheduled = {seq.seq_id for seq in seqs}
-        forget = [seq_id for seq_id in self.tables if seq_id not in scheduled]
-        for seq_id in forget:
-            del self.tables[seq_id]
-        token_ids = []
+                offset = 0
+            self.known[seq.seq_id] = table
+            updates.append((seq.seq_id, offset, table[offset:]))
+            self._write(seq.seq_id, offset, table[offset:])
+        token_ids, samples = [], []
         for seq in seqs:
-            token_ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + seq.num_scheduled_tokens])
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            token_ids += seq.token_ids[start:end]
+            samples.append(end == len(seq.token_ids))  # the step ends its prefill, or decodes
         return StepBatch(seq_ids=[seq.seq_id for seq in seqs], starts=[seq.num_computed_tokens for seq in seqs],
                          num_new=[seq.num_scheduled_tokens for seq in seqs], token_ids=token_ids,
-                         samples=[seq.samples_this_step for seq in seqs], table_updates=updates, forget=forget)
+                         samples=samples, table_updates=updates, forget=forget)
 
     def apply(self, batch: StepBatch):
-        for seq_id in batch.forget:
-            del self.tables[seq_id]
+        """Another rank: the same changes, in the same order, so rows and tables match rank 0's."""
+        self._forget(batch.forget)
         for seq_id, offset, blocks in batch.table_updates:
-            table = self.tables.setdefault(seq_id, [])
-            del table[offset:]
-            table.extend(blocks)
+            self._write(seq_id, offset, blocks)
+
+    def rows_of(self, seq_ids: list[int]) -> np.ndarray:
+        return np.fromiter((self.rows[i] for i in seq_ids), dtype=np.int64, count=len(seq_ids))
