@@ -230,14 +230,15 @@ class LLMEngine:
                     self.step()
                     continue
                 for seq in news:
-                    seen[seq.seq_id] = seq.num_tokens
-                pending = [seq for seq in pending if not seq.is_finished]
+                    seen[seq.seq_id] = len(seq.token_ids)
+                num_pending = len(pending)
+                pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
                 if bar is not None:
                     c = self.counters
                     bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
                                         f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
                                         refresh=False)
-                    bar.update(sum(seq.is_finished for seq in news))
+                    bar.update(num_pending - len(pending))
                 yield news
         except BaseException:
             for seq in seqs:

@@ -238,30 +238,46 @@ class ModelRunner:
         return input_ids, pos, context
 
     def sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
-        """Gather the sampling parameters of the sampling sequences into device tensors."""
+        """Gather the sampling parameters of the sampling sequences into device tensors: one copy
+        of the int rows and one of the float rows. A batch holds few distinct SamplingParams
+        (often one), so what the batch needs is decided from those, not row by row."""
         params = [seq.sampling_params for seq in seqs]
-        floats = lambda values: self._to_device(values, torch.float32)  # noqa: E731
-        ints = lambda values: self._to_device(values, torch.int64)  # noqa: E731
-        batch = SamplingBatch(temperatures=floats([p.temperature for p in params]), seeds=ints([s.seed for s in seqs]),
-                              positions=ints([len(s.token_ids) for s in seqs]),
-                              all_greedy=all(p.temperature == 0 for p in params))
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            batch.top_ks, batch.top_ps = ints([p.top_k for p in params]), floats([p.top_p for p in params])
-        if any(p.min_p > 0 for p in params):
-            batch.min_ps = floats([p.min_p for p in params])
-        if any(p.has_penalties for p in params):
-            batch.penalties = (*self.token_history.inputs(seqs, vocab_size),
-                               floats([p.presence_penalty for p in params]),
-                               floats([p.frequency_penalty for p in params]),
-                               floats([p.repetition_penalty for p in params]))
-        banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
-                  if p.min_tokens and seq.num_completion_tokens < p.min_tokens
-                  for t in seq.stop_ids]  # min_tokens: no stop token can be drawn yet
-        if banned:
-            rows, tokens = zip(*banned)
-            batch.banned = (ints(list(rows)), ints(list(tokens)))
-        if any(p.logprobs is not None for p in params):
-            batch.num_logprobs = max(p.logprobs or 0 for p in params)
+        distinct = list({id(p): p for p in params}.values())
+        all_greedy = all(p.temperature == 0 for p in distinct)
+        filters = any(p.top_k > 0 or p.top_p < 1 for p in distinct)
+        min_p = any(p.min_p > 0 for p in distinct)
+        penalties = any(p.has_penalties for p in distinct)
+        int_rows, float_rows = [], []
+        if not all_greedy:  # greedy rows use none of these: the sampler takes the argmax
+            int_rows += [[s.seed for s in seqs], [len(s.token_ids) for s in seqs]]
+            float_rows.append([p.temperature for p in params])
+        if filters:
+            int_rows.append([p.top_k for p in params])
+            float_rows.append([p.top_p for p in params])
+        if min_p:
+            float_rows.append([p.min_p for p in params])
+        if penalties:
+            float_rows += [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                           [p.repetition_penalty for p in params]]
+        ints = iter(self._to_device(int_rows, torch.int64)) if int_rows else None        # [rows, B]
+        floats = iter(self._to_device(float_rows, torch.float32)) if float_rows else None
+        batch = SamplingBatch(temperatures=None if all_greedy else next(floats),
+                              seeds=None if all_greedy else next(ints), positions=None if all_greedy else next(ints),
+                              all_greedy=all_greedy)
+        if filters:
+            batch.top_ks, batch.top_ps = next(ints), next(floats)
+        if min_p:
+            batch.min_ps = next(floats)
+        if penalties:
+            batch.penalties = (*self.token_history.inputs(seqs, vocab_size), next(floats), next(floats), next(floats))
+        if any(p.min_tokens for p in distinct):
+            banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
+                      if seq.num_completion_tokens < p.min_tokens
+                      for t in seq.stop_ids]  # min_tokens: no stop token can be drawn yet
+            if banned:
+                batch.banned = tuple(self._to_device(list(zip(*banned)), torch.int64))
+        if any(p.logprobs is not None for p in distinct):
+            batch.num_logprobs = max(p.logprobs or 0 for p in distinct)
         return batch
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
@@ -298,7 +314,7 @@ class ModelRunner:
             raise
         if logits is None:
             return [], None
-        return self.sample(logits, [seq for seq in seqs if seq.samples_this_step])
+        return self.sample(logits, [seq for seq, samples in zip(seqs, batch.samples) if samples])
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor | None:

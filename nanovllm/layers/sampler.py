@@ -213,9 +213,9 @@ class TokenHistory:
 class SamplingBatch:
     """Per-row sampling parameters on the device, [B] each; optional parts are None when no row
     uses them, so the common case pays for nothing it does not use."""
-    temperatures: torch.Tensor
-    seeds: torch.Tensor                         # int64
-    positions: torch.Tensor                     # int64: position of the token being sampled
+    temperatures: torch.Tensor | None           # None (with seeds, positions) when all_greedy
+    seeds: torch.Tensor | None                  # int64
+    positions: torch.Tensor | None              # int64: position of the token being sampled
     top_ks: torch.Tensor | None = None          # int64, <= 0: off
     top_ps: torch.Tensor | None = None
     min_ps: torch.Tensor | None = None
