@@ -108,12 +108,53 @@ def warm_up(llm, prompts):
     generate([[WARMUP_TOKEN] * 2] * largest, [params(n) for n in lengths])
 
 
+def draw_timeline(records: list[dict], num_blocks: int, path: str):
+    """One picture of the run, step by step: continuous batching (sequences joining and leaving),
+    prefill against decode tokens, KV blocks in use and the preemptions when they run out, and
+    how much of each step the host spent outside the model."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit("--timeline needs matplotlib: pip install matplotlib (or the project's 'plot' extra)") from e
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    steps = range(len(records))
+    col = lambda key: [r[key] for r in records]  # noqa: E731
+    fig, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    axes[0].plot(steps, col("num_seqs"), color="tab:blue")
+    axes[0].set_ylabel("sequences\nin the step")
+    axes[1].stackplot(steps, col("prefill_tokens"), col("decode_tokens"), labels=["prefill", "decode"],
+                      colors=["tab:orange", "tab:green"])
+    axes[1].set_ylabel("tokens")
+    axes[1].legend(loc="upper right")
+    axes[2].plot(steps, col("used_blocks"), color="tab:purple", label="in use")
+    axes[2].axhline(num_blocks, color="gray", linestyle="--", label="all")
+    preempted = [i for i, r in enumerate(records) if i and r["preemptions"] > records[i - 1]["preemptions"]]
+    for i in preempted:
+        axes[2].axvline(i, color="tab:red", alpha=0.3, linewidth=0.8)
+    axes[2].set_ylabel("KV blocks")
+    axes[2].legend(loc="lower left", title=f"{records[-1]['preemptions'] - records[0]['preemptions'] if records else 0}"
+                   " preemptions (red)")
+    axes[3].plot(steps, [r["step_s"] * 1e3 for r in records], color="tab:gray", label="step")
+    axes[3].plot(steps, [r["host_s"] * 1e3 for r in records], color="tab:red", label="host")
+    axes[3].set_ylabel("ms")
+    axes[3].set_yscale("log")
+    axes[3].legend(loc="upper right")
+    axes[3].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def run_nanovllm(args, path, prompts, max_tokens):
     llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
+              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+              num_kvcache_blocks=args.num_kvcache_blocks)
     warm_up(llm, prompts)                                   # not timed; the stats below count from here
+    if args.timeline:
+        llm.step_records = []
     before = dict(llm.stats())
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync(llm.config.device)
@@ -134,6 +175,9 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
         "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
     }
+    if args.timeline:
+        draw_timeline(llm.step_records, llm.block_manager.num_blocks, args.timeline)
+        result["timeline"] = args.timeline
     llm.shutdown()
     del llm
     return result
@@ -226,11 +270,13 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--attention-backend", choices=["flash_attn", "triton", "torch"])
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (a small one shows preemption)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static-batch baseline")
     p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--timeline", metavar="FILE.png", help="draw the run step by step (needs matplotlib)")
     args = p.parse_args(argv)
     if args.model and args.dummy:
         p.error("--model and --dummy are exclusive")

@@ -40,3 +40,15 @@ def test_capped_baseline_reports_what_it_finished(capsys):
                          "--compare", "hf", "--hf-batch-size", "2", "--hf-time-limit", "0"])
     assert result["baseline"]["capped"] and result["baseline"]["output_tokens"] < result["output_tokens"]
     assert "capped" in capsys.readouterr().out
+
+
+def test_timeline_draws_every_step(tmp_path):
+    """--timeline records every timed step (with preemptions under a small KV cache) and draws them."""
+    import pytest
+    pytest.importorskip("matplotlib", reason="--timeline needs matplotlib (the 'plot' extra)")
+    png = tmp_path / "timeline.png"
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
+                         "--min-output-len", "8", "--max-output-len", "48", "--device", "cpu", "--max-model-len", "128",
+                         "--num-kvcache-blocks", "24", "--timeline", str(png)])
+    assert result["timeline"] == str(png) and result["num_preemptions"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -68,6 +68,10 @@ class LLMEngine:
         self._seed_rng = random.Random()  # seeds for requests that bring none
         # Throughput counters since start: a step with any prefill tokens counts as prefill time.
         self.counters = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0}
+        # Set to a list to record every step (bench.py --timeline): its wall time, the host's share
+        # of it (all but ModelRunner.run, which launches the forward and waits for the sampled
+        # tokens), sequences, prefill and decode tokens, KV blocks in use, preemptions so far.
+        self.step_records: list[dict] | None = None
 
     # ---- requests -----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> list[int]:
@@ -158,14 +162,25 @@ class LLMEngine:
             return []
         num_tokens = sum([seq.num_scheduled_tokens for seq in seqs])
         updated = [seq for seq in seqs if seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq.token_ids)]
+        model_start = perf_counter()
         sampled, logprobs = self.model_runner.run(seqs)
+        model_s = perf_counter() - model_start
+        if self.step_records is not None:  # decode rows: one token that completes the sequence
+            num_decode = sum(1 for seq in updated if seq.num_scheduled_tokens == 1 and seq.num_computed_tokens > 0)
         self.scheduler.postprocess(seqs, sampled, logprobs)
         for seq in updated:
             if seq.detokenizer is not None:
                 self._update_text(seq)
         kind = "decode" if num_tokens == len(seqs) else "prefill"
         self.counters[f"{kind}_tokens"] += num_tokens
-        self.counters[f"{kind}_time_s"] += perf_counter() - start
+        step_s = perf_counter() - start
+        self.counters[f"{kind}_time_s"] += step_s
+        if self.step_records is not None:
+            self.step_records.append({
+                "start": start, "step_s": step_s, "host_s": step_s - model_s, "num_seqs": len(seqs),
+                "prefill_tokens": num_tokens - num_decode, "decode_tokens": num_decode,
+                "used_blocks": self.block_manager.num_blocks - self.block_manager.num_free_blocks,
+                "preemptions": self.scheduler.num_preemptions})
         return updated
 
     def _update_text(self, seq: Sequence):
