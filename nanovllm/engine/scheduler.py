@@ -105,7 +105,7 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.forks:  # the prompt is computed: the other samples now find its blocks cached
-                self.waiting.extendleft(reversed(seq.forks))
+                self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))  # (aborted)
                 seq.forks = []
             params, num_tokens = seq.sampling_params, len(seq.token_ids)
             num_completion = num_tokens - seq.num_prompt_tokens
