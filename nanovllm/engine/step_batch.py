@@ -42,7 +42,7 @@ class BlockTables:
         self.rows: dict[int, int] = {}                     # seq_id -> row
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # blocks known per row
         self.free_rows = list(range(max_rows))             # a heap: the lowest free row first
-        self.known: dict[int, list[int]] = {}             # rank 0: seq_id -> the table list last seen
+        self.known: dict[int, tuple[list[int], int]] = {}  # rank 0: seq_id -> (its table list, length) last sent
 
     def __getitem__(self, seq_id: int) -> list[int]:
         row = self.rows[seq_id]
@@ -70,26 +70,21 @@ class BlockTables:
         scheduled = {seq.seq_id for seq in seqs}
         forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
         self._forget(forget)
-        updates = []
+        updates, token_ids, starts, num_new, samples = [], [], [], [], []
         for seq in seqs:
             table, known = seq.block_table, self.known.get(seq.seq_id)
-            if known is table:
-                offset = int(self.lengths[self.rows[seq.seq_id]])
-                if len(table) == offset:
-                    continue
-            else:
-                offset = 0
-            self.known[seq.seq_id] = table
-            updates.append((seq.seq_id, offset, table[offset:]))
-            self._write(seq.seq_id, offset, table[offset:])
-        token_ids, samples = [], []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            token_ids += seq.token_ids[start:end]
-            samples.append(end == len(seq.token_ids))  # the step ends its prefill, or decodes
-        return StepBatch(seq_ids=[seq.seq_id for seq in seqs], starts=[seq.num_computed_tokens for seq in seqs],
-                         num_new=[seq.num_scheduled_tokens for seq in seqs], token_ids=token_ids,
-                         samples=samples, table_updates=updates, forget=forget)
+            if known is None or known[0] is not table or len(table) != known[1]:
+                offset = known[1] if known is not None and known[0] is table else 0
+                self.known[seq.seq_id] = (table, len(table))
+                updates.append((seq.seq_id, offset, table[offset:]))
+                self._write(seq.seq_id, offset, table[offset:])
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            token_ids += seq.token_ids[start:start + n]
+            starts.append(start)
+            num_new.append(n)
+            samples.append(start + n == len(seq.token_ids))  # the step ends its prefill, or decodes
+        return StepBatch(seq_ids=[seq.seq_id for seq in seqs], starts=starts,
+                         num_new=num_new, token_ids=token_ids, samples=samples, table_updates=updates, forget=forget)
 
     def apply(self, batch: StepBatch):
         """Another rank: the same changes, in the same order, so rows and tables match rank 0's."""
