@@ -146,6 +146,21 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
     plt.close(fig)
 
 
+def gpu_idle_fraction(events) -> float | None:
+    """Share of the wall time of consecutive decode steps in which the GPU had nothing to do: from
+    one step's end to the next step's start, as CUDA events timed them (a start event recorded
+    on an idle stream completes at once, so it marks when the host got to launching the step)."""
+    if not events:
+        return None
+    torch.cuda.synchronize()
+    idle = total = 0.0
+    for (decode, _, end), (next_decode, next_start, next_end) in zip(events, events[1:]):
+        if decode and next_decode:
+            idle += end.elapsed_time(next_start)
+            total += end.elapsed_time(next_end)
+    return idle / total if total else None
+
+
 def run_nanovllm(args, path, prompts, max_tokens):
     llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -155,6 +170,8 @@ def run_nanovllm(args, path, prompts, max_tokens):
     warm_up(llm, prompts)                                   # not timed; the stats below count from here
     if args.timeline:
         llm.step_records = []
+    if llm.config.device == "cuda":
+        llm.model_runner.step_events = []
     before = dict(llm.stats())
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync(llm.config.device)
@@ -174,6 +191,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "tpot_s": percentiles(o["metrics"]["tpot_s"] for o in outputs),
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
         "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
+        "gpu_idle_between_decode_steps": gpu_idle_fraction(llm.model_runner.step_events),
     }
     if args.timeline:
         draw_timeline(llm.step_records, llm.block_manager.num_blocks, args.timeline)
@@ -307,6 +325,8 @@ def main(argv=None):
     for key in ("ttft_s", "tpot_s"):
         q = result[key]
         print(f"  {key[:-2].upper()}: p50 {q['p50'] * 1e3:.1f} ms, p90 {q['p90'] * 1e3:.1f} ms, p99 {q['p99'] * 1e3:.1f} ms")
+    if result["gpu_idle_between_decode_steps"] is not None:
+        print(f"  GPU idle between decode steps: {result['gpu_idle_between_decode_steps']:.1%} of their wall time")
     if args.compare == "hf":
         baseline = run_hf(args, path, prompts, max_tokens, result["device"])
         result["baseline"] = baseline

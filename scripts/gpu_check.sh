@@ -27,6 +27,7 @@ run "gpu tests" 120 python -m pytest -q -rs -m gpu tests/
 run "triton kernels on the GPU" 150 python -m pytest -q -rs tests/test_triton_backend.py
 run "decode kernel micro-benchmark" 45 python scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
 # start-up + warm-up + ~20 s timed run, then HF: loading, and 40 s of generation at most
+# its summary includes the GPU idle share between decode steps (CUDA events)
 run "bench.py default workload vs HF" 150 python bench.py --compare hf --hf-time-limit 40 --json
 echo "=== gpu_check exit status $status"
 exit $status

@@ -32,6 +32,7 @@ def test_cpu_smoke_run_with_hf_baseline(capsys):
     assert last["baseline"]["output_tokens"] == sum(max_tokens) and not last["baseline"]["capped"]
     assert last["ratio"] == last["output_tok_per_s"] / last["baseline"]["output_tok_per_s"]
     assert "nanovllm" in out and "HF transformers" in out and "ratio nanovllm / HF" in out
+    assert last["gpu_idle_between_decode_steps"] is None  # timed with CUDA events: only on a GPU
 
 
 def test_capped_baseline_reports_what_it_finished(capsys):

@@ -201,3 +201,14 @@ def test_graphs_fit_at_high_memory_utilization(tmp_path):
     assert free > 0.005 * total, "the engine took more than gpu_memory_utilization allows"
     del llm
     torch.cuda.empty_cache()
+
+
+def test_bench_reports_gpu_idle_between_decode_steps():
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "32", "--min-input-len", "16", "--max-input-len", "64",
+                         "--min-output-len", "32", "--max-output-len", "64", "--device", "cuda", "--max-model-len", "256"])
+    idle = result["gpu_idle_between_decode_steps"]
+    assert idle is not None and 0.0 <= idle < 1.0

@@ -63,6 +63,9 @@ class ModelRunner:
             self.device = torch.device("cpu")
         self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
         self.tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq)
+        # CUDA only, set to a list to time steps on the device (bench.py): per step (decode only?,
+        # start event, end event), the start recorded before the step's first launch.
+        self.step_events: list | None = None
         self.last_message_bytes = 0
         model_class = resolve_model_class(config.hf_config, config.max_model_len)
         with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
@@ -307,14 +310,22 @@ class ModelRunner:
         batch = self.tables.encode(seqs)
         if self.workers is not None:
             self.last_message_bytes = self.workers.call("execute", batch)
+        if self.step_events is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         try:
             logits = self.execute(batch)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
-        if logits is None:
-            return [], None
-        return self.sample(logits, [seq for seq, samples in zip(seqs, batch.samples) if samples])
+        result = [], None
+        if logits is not None:
+            result = self.sample(logits, [seq for seq, samples in zip(seqs, batch.samples) if samples])
+        if self.step_events is not None:  # (after sample() read the tokens back: the device is done)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.step_events.append((all(n == 1 for n in batch.num_new), start, end))
+        return result
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor | None:
