@@ -32,6 +32,7 @@ class Config:
     attention_backend: str | None = None
     load_format: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    eos_token_ids: set[int] = field(init=False, repr=False)
 
     def __post_init__(self):
         def positive_int(name, allow_none=False):
@@ -78,7 +79,12 @@ class Config:
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
         if max_positions is not None:
             self.max_model_len = min(self.max_model_len, max_positions)
-        self.eos_token_ids  # a broken generation_config.json is a ValueError now, not mid-run
+        # EOS ids of config.json and generation_config.json together: instruct checkpoints (Qwen2.5,
+        # Qwen3) list their chat turn's end there besides <|endoftext|>, and HF and vLLM stop at
+        # either. Empty when neither names one (the engine then falls back to the tokenizer's).
+        # Read once, here, so a broken generation_config.json is a ValueError at start-up.
+        self.eos_token_ids = token_id_set(getattr(self.hf_config, "eos_token_id", None), "config.json") | token_id_set(
+            read_generation_config(self.model).get("eos_token_id"), GENERATION_CONFIG)
         from nanovllm.models import resolve_model_class
         # ValueError for an unsupported architecture or option (a sliding window < max_model_len)
         resolve_model_class(self.hf_config, self.max_model_len)
@@ -135,28 +141,20 @@ class Config:
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """EOS ids of config.json and generation_config.json together: instruct checkpoints (Qwen2.5,
-        Qwen3) list their chat turn's end there besides <|endoftext|>, and HF and vLLM stop at either.
-        Empty when neither names one (the engine then falls back to the tokenizer's)."""
-        return token_id_set(getattr(self.hf_config, "eos_token_id", None), "config.json") | token_id_set(
-            self.generation_config.get("eos_token_id"), "generation_config.json")
 
-    @property
-    def generation_config(self) -> dict:
-        """generation_config.json's contents ({} when the folder has none)."""
-        path = os.path.join(self.model, GENERATION_CONFIG)
-        if not os.path.isfile(path):
-            return {}
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-        return data
+def read_generation_config(folder: str) -> dict:
+    """generation_config.json's contents ({} when the folder has none)."""
+    path = os.path.join(folder, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def token_id_set(value, source: str) -> set[int]:

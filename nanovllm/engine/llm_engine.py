@@ -11,21 +11,10 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, is_integer
 
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def is_integer(value) -> bool:
-    """An int or an integer-like value (numpy's int64, as tokenizers return), but not a bool."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)
-        return True
-    except TypeError:
-        return False
 
 
 def load_tokenizer(path: str):

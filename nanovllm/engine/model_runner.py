@@ -93,7 +93,7 @@ class ModelRunner:
 
     def _capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
         config = self.config
-        max_batch = min(config.max_num_seqs, MAX_GRAPH_BATCH)
+        max_batch = self.graph_sizes[-1]
         return DecodeGraphs(self.model, max_batch, config.max_blocks_per_seq, config.max_model_len,
                             config.hf_config.hidden_size, config.dtype, self.device,
                             sizes=[max_batch] if largest_only else None)
