@@ -166,7 +166,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-              num_kvcache_blocks=args.num_kvcache_blocks)
+              num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling)
     warm_up(llm, prompts)                                   # not timed; the stats below count from here
     if args.timeline:
         llm.step_records = []
@@ -290,6 +290,8 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (a small one shows preemption)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlap the host's work with the device's (--no-async-scheduling: the synchronous loop)")
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static-batch baseline")
     p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")

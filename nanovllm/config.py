@@ -29,6 +29,7 @@ class Config:
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True
     attention_backend: str | None = None
     load_format: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -59,7 +60,7 @@ class Config:
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:

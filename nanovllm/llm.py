@@ -17,6 +17,8 @@ class LLM(LLMEngine):
     kvcache_block_size: tokens per KV block (None: 256 for flash_attn, else 16).
     num_kvcache_blocks: KV blocks (None: sized from free GPU memory, or a fixed budget on CPU).
     enable_prefix_caching: share KV blocks between requests with a common prefix.
+    async_scheduling: overlap the host's work for the next step with the device's work on this
+        one (False: the plain synchronous loop; the outputs are the same).
     attention_backend: "flash_attn", "triton", "torch" or None (the best available).
     load_format: "auto" (safetensors) or "dummy" (random weights, for benchmarks).
     """
@@ -26,11 +28,12 @@ class LLM(LLMEngine):
                  max_num_batched_tokens: int = 16384, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.9, kvcache_block_size: int | None = None,
                  num_kvcache_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 attention_backend: str | None = None, load_format: str = "auto"):
+                 async_scheduling: bool = True, attention_backend: str | None = None, load_format: str = "auto"):
         super().__init__(Config(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-            enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
+            enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
+            attention_backend=attention_backend,
             load_format=load_format))

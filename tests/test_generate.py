@@ -28,8 +28,9 @@ def check_equal(llm, path, prompts, reference, params=GREEDY):
     return outputs
 
 
-def test_batch_matches_hf(model_dir, prompts, reference):
-    llm = make_llm(model_dir)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_batch_matches_hf(model_dir, prompts, reference, async_scheduling):
+    llm = make_llm(model_dir, async_scheduling=async_scheduling)
     outputs = check_equal(llm, model_dir, prompts, reference)
     assert all(out["num_cached_tokens"] == 0 for out in outputs)
     tokenizer = llm.tokenizer
@@ -51,9 +52,10 @@ def test_chunked_prefill(model_dir, prompts, reference):
     check_equal(llm, model_dir, prompts, reference)
 
 
-def test_preemption_under_tiny_kv_budget(model_dir, prompts, reference):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_preemption_under_tiny_kv_budget(model_dir, prompts, reference, async_scheduling):
     # 25 blocks of 16 tokens hold one max_model_len sequence; 8 prompts must take turns.
-    llm = make_llm(model_dir, num_kvcache_blocks=25, kvcache_block_size=16)
+    llm = make_llm(model_dir, num_kvcache_blocks=25, kvcache_block_size=16, async_scheduling=async_scheduling)
     check_equal(llm, model_dir, prompts, reference)
     assert llm.stats()["num_preemptions"] > 0
 

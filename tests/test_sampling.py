@@ -168,10 +168,13 @@ def test_penalties_match_direct_computation():
     torch.testing.assert_close(got, expected)
 
 
-def test_token_history_is_built_incrementally():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_token_history_is_built_incrementally(overlap):
     """The penalties' inputs, kept on the device and appended to: equal to building them from the
-    token lists every step, across growing sequences, sequences that leave and come back, and
-    with only the new tokens sent each step."""
+    token lists every step, across growing sequences, sequences that leave and come back, a row
+    without penalties, and with no token sent twice: each sampled token is written on the device
+    by record(). With overlap the host learns a step's tokens only after the next step's inputs
+    are built (they are pending there)."""
     from types import SimpleNamespace
 
     from nanovllm.layers.sampler import TokenHistory
@@ -182,25 +185,43 @@ def test_token_history_is_built_incrementally():
         return values.to(dtype)
 
     history = TokenHistory(max_rows=3, max_len=16, to_device=to_device)
-    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(10 * i, 10 * i + 3 + i)), num_prompt_tokens=2 + i)
-            for i in range(3)]
+    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(10 * i, 10 * i + 3 + i)), num_prompt_tokens=2 + i,
+                            num_pending=0, sampling_params=SimpleNamespace(has_penalties=i != 3)) for i in range(4)]
+    for seq in seqs:
+        seq.pending = []  # tokens sampled on the "device", not yet appended
 
     def check(batch):
         seen, generated = history.inputs(batch, vocab_size=99)
         for row, seq in enumerate(batch):
-            assert [t for t in seen[row].tolist() if t != 99] == seq.token_ids
-            assert [t for t in generated[row].tolist() if t != 99] == seq.token_ids[seq.num_prompt_tokens:]
+            full = seq.token_ids + seq.pending if seq.sampling_params.has_penalties else []
+            assert [t for t in seen[row].tolist() if t != 99] == full
+            assert [t for t in generated[row].tolist() if t != 99] == full[seq.num_prompt_tokens:]
 
-    for step in range(4):
+    for step in range(5):
         for seq in seqs:
-            seq.num_tokens = len(seq.token_ids)
+            seq.num_tokens = len(seq.token_ids) + seq.num_pending
         sent.clear()
-        batch = seqs if step != 2 else [seqs[2], seqs[0]]  # seqs[1] leaves for a step, in another order
+        batch = seqs if step != 2 else [seqs[2], seqs[3], seqs[0]]  # seqs[1] leaves for a step
+        if step == 3:  # it comes back: its pending token reached the host meanwhile
+            seqs[1].token_ids += seqs[1].pending
+            seqs[1].pending, seqs[1].num_pending, seqs[1].num_tokens = [], 0, len(seqs[1].token_ids)
         check(batch)
-        if step == 3:  # only seqs[1] is written whole again; the others send their one new token
-            assert sent[0] == 3 * (len(seqs[1].token_ids) + 2)
-        for seq in seqs:
-            seq.token_ids.append(50 + step)
+        if step == 3:  # only seqs[1] is written whole again; the others' tokens are on the device
+            assert sent[0] == 3 * len(seqs[1].token_ids) + 3 * len(batch)
+        elif step > 0:
+            assert sent[0] == 3 * len(batch)
+        sampled = [50 + step + row for row in range(len(batch))]
+        history.record(torch.tensor(sampled))
+        for seq, token in zip(batch, sampled):
+            seq.pending.append(token)
+            seq.num_pending += 1
+        for seq in batch if not overlap else []:  # synchronous: the host reads them at once
+            seq.token_ids += seq.pending
+            seq.pending, seq.num_pending = [], 0
+        if overlap:  # the host reads the step before's tokens now, the last one stays pending
+            for seq in batch:
+                seq.token_ids += seq.pending[:-1]
+                seq.pending, seq.num_pending = seq.pending[-1:], 1
 
 
 def test_repetition_penalty_matches_hf(model_dir, llm, prompts):
@@ -385,8 +406,8 @@ def test_sampler_makes_at_most_one_host_sync(vocab):
     device = torch.device("cuda")
     rows = 8
     to_device = lambda values, dtype: values.pin_memory().to(device, non_blocking=True)  # noqa: E731
-    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(i, i + 20)), num_prompt_tokens=10, num_tokens=20)
-            for i in range(rows)]
+    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(i, i + 20)), num_prompt_tokens=10, num_tokens=20,
+                            num_pending=0, sampling_params=SimpleNamespace(has_penalties=True)) for i in range(rows)]
     history = TokenHistory(rows, 64, to_device)
     history.inputs(seqs, vocab)  # allocates its buffer
     logits = torch.randn(rows, vocab, device=device)

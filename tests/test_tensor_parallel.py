@@ -72,9 +72,27 @@ def test_tp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts,
         assert 0 < llm.stats()["tp_message_bytes"] < 1024  # the last step: two decodes
 
 
-def test_tp2_with_fewer_kv_heads_than_ranks(one_kv_head_dir, prompts, reference):
-    with LLM(one_kv_head_dir, tensor_parallel_size=2, max_model_len=400) as llm:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_tp2_with_fewer_kv_heads_than_ranks(one_kv_head_dir, prompts, reference, async_scheduling):
+    with LLM(one_kv_head_dir, tensor_parallel_size=2, max_model_len=400, async_scheduling=async_scheduling) as llm:
         check(llm, one_kv_head_dir, prompts, reference)
+
+
+def test_tp2_overlapped_equals_tp1_synchronous_on_a_mixed_workload(model_dir):
+    """Overlap scheduling with two ranks: rank 0 broadcasts each step's sampled tokens on the
+    device, which every rank reads as the next step's input ids. Seeded sampling, penalties,
+    n=2, logprobs, stop strings and a tight KV budget give the same outputs as one rank's
+    synchronous loop."""
+    from test_async_scheduling import MAX_MODEL_LEN, WORKLOAD, assert_same_logprobs, comparable
+    shared = list(range(40, 90))
+    prompts = [shared + [i] * (i + 1) for i in range(len(WORKLOAD))]
+    options = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=14, kvcache_block_size=16)
+    reference = LLM(model_dir, async_scheduling=False, **options).generate(prompts, WORKLOAD, use_tqdm=False)
+    with LLM(model_dir, tensor_parallel_size=2, **options) as llm:
+        outputs = llm.generate(prompts, WORKLOAD, use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+    assert comparable(outputs) == comparable(reference)
+    assert_same_logprobs(outputs, reference)
 
 
 def test_two_engines_at_once_and_shutdown(model_dir, tied_model_dir, prompts, reference):

@@ -104,7 +104,7 @@ class BlockManager:
         Returns False, changing nothing, when too few blocks are free. On success,
         seq.num_computed_tokens counts the tokens served from the cache.
         """
-        assert not seq.block_table
+        assert not seq.block_table and not seq.num_pending
         hit_ids, hashes = self._match_prefix(seq)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hit_ids)
         num_new = self.blocks_needed(seq.num_tokens) - len(hit_ids)
@@ -138,11 +138,15 @@ class BlockManager:
     def _note_usage(self):
         self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free))
 
-    def cache_full_blocks(self, seq: Sequence):
-        """Publish the blocks that seq has completely filled and computed, under their chained keys."""
+    def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None):
+        """Publish the blocks that seq's first num_computed tokens (default: all its computed
+        ones) fill completely, under their chained keys. (Overlap scheduling passes the count of a
+        finished step: the step after it, still running, may have computed tokens whose ids the
+        host does not know yet.)"""
         if not self.enable_prefix_caching:
             return
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+        num_computed = seq.num_computed_tokens if num_computed is None else num_computed
+        for i in range(len(seq.block_hashes), num_computed // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)

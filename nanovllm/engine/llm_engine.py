@@ -1,6 +1,7 @@
 import operator
 import os
 import random
+from dataclasses import dataclass
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -8,8 +9,8 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -40,6 +41,16 @@ def load_tokenizer(path: str):
         raise ValueError(f"cannot load the tokenizer in {path!r}: {type(e).__name__}: {e}") from e
 
 
+@dataclass
+class InFlightStep:
+    """A step launched on the device and not yet accounted for."""
+    step: ScheduledStep
+    sampled: SampledTokens
+    num_tokens: int   # tokens it computes
+    num_decode: int   # of which decode tokens (counted only when step_records is on)
+    launch_s: float   # host time spent launching it
+
+
 class LLMEngine:
     """Requests in, completions out: owns the tokenizer, scheduler, block manager and model runner."""
 
@@ -55,11 +66,12 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
+        self._in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
         # Throughput counters since start: a step with any prefill tokens counts as prefill time.
         self.counters = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0}
         # Set to a list to record every step (bench.py --timeline): its wall time, the host's share
-        # of it (all but ModelRunner.run, which launches the forward and waits for the sampled
-        # tokens), sequences, prefill and decode tokens, KV blocks in use, preemptions so far.
+        # of it (all but the model runner's launch and the wait for the sampled tokens), the
+        # accounted step's sequences, prefill and decode tokens, KV blocks in use, preemptions so far.
         self.step_records: list[dict] | None = None
 
     # ---- requests -----------------------------------------------------------------------------
@@ -143,34 +155,54 @@ class LLMEngine:
 
     # ---- running ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One scheduler iteration. Returns the sequences that got a token (finished ones included)."""
+        """One scheduler iteration. Returns the sequences that got a token (finished ones included).
+
+        Synchronous (async_scheduling=False): schedule a step, run it, wait for its tokens, account
+        for them. Overlapped (the default): schedule and launch step N+1, then account for step N,
+        whose tokens were copied back while N+1 was being prepared; the device never waits for
+        the host. Step N+1 decodes step N's tokens straight from the device, and so it may run a
+        sequence that step N turns out to have finished: complete() drops that token.
+        """
         start = perf_counter()
-        seqs = self.scheduler.schedule()
-        assert seqs or self.scheduler.is_finished(), "scheduler made no progress"
-        if not seqs:
+        launched = done = self._launch()
+        if self.config.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        if done is None:
+            assert launched is not None or self.scheduler.is_finished(), "scheduler made no progress"
             return []
-        num_tokens = sum([seq.num_scheduled_tokens for seq in seqs])
-        updated = [seq for seq in seqs if seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq.token_ids)]
-        model_start = perf_counter()
-        sampled, logprobs = self.model_runner.run(seqs)
-        model_s = perf_counter() - model_start
-        if self.step_records is not None:  # decode rows: one token that completes the sequence
-            num_decode = sum(1 for seq in updated if seq.num_scheduled_tokens == 1 and seq.num_computed_tokens > 0)
-        self.scheduler.postprocess(seqs, sampled, logprobs)
+        wait_start = perf_counter()
+        tokens, logprobs = done.sampled.result()
+        model_s = perf_counter() - wait_start + (launched.launch_s if launched is not None else 0.0)
+        updated = self.scheduler.complete(done.step, tokens, logprobs)
         for seq in updated:
             if seq.detokenizer is not None:
                 self._update_text(seq)
-        kind = "decode" if num_tokens == len(seqs) else "prefill"
-        self.counters[f"{kind}_tokens"] += num_tokens
+        kind = "decode" if done.num_tokens == len(done.step.seqs) else "prefill"
+        self.counters[f"{kind}_tokens"] += done.num_tokens
         step_s = perf_counter() - start
         self.counters[f"{kind}_time_s"] += step_s
         if self.step_records is not None:
             self.step_records.append({
-                "start": start, "step_s": step_s, "host_s": step_s - model_s, "num_seqs": len(seqs),
-                "prefill_tokens": num_tokens - num_decode, "decode_tokens": num_decode,
+                "start": start, "step_s": step_s, "host_s": step_s - model_s, "num_seqs": len(done.step.seqs),
+                "prefill_tokens": done.num_tokens - done.num_decode, "decode_tokens": done.num_decode,
                 "used_blocks": self.block_manager.num_blocks - self.block_manager.num_free_blocks,
                 "preemptions": self.scheduler.num_preemptions})
         return updated
+
+    def _launch(self) -> "InFlightStep | None":
+        """Schedule a step and start it on the device; None when nothing can be scheduled."""
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return None
+        num_tokens = sum([seq.num_scheduled_tokens for seq in seqs])
+        num_decode = 0
+        if self.step_records is not None:  # decode rows: one token that completes the sequence
+            num_decode = sum(1 for seq in seqs if seq.num_scheduled_tokens == 1 and 0 < seq.num_computed_tokens
+                             == seq.num_tokens - 1)
+        launch_start = perf_counter()
+        sampled = self.model_runner.launch(seqs)
+        launch_s = perf_counter() - launch_start
+        return InFlightStep(self.scheduler.launched(seqs), sampled, num_tokens, num_decode, launch_s)
 
     def _update_text(self, seq: Sequence):
         """Grow seq.text by its new token; end the sequence at a stop string."""
@@ -189,7 +221,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._in_flight is None
 
     def _final_text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:

@@ -32,6 +32,44 @@ def to_device(values, dtype: torch.dtype, device: torch.device, pin: bool) -> to
     return t.to(device, non_blocking=True)
 
 
+class SampledTokens:
+    """A launched step's sampled tokens (and logprobs) on their way to the host: the copies are
+    queued behind the step on the device, into pinned memory, and result() waits for them."""
+
+    def __init__(self, tokens: torch.Tensor | None = None, logprobs: tuple | None = None,
+                 num_logprobs: list[int | None] | None = None):
+        self.num_logprobs = num_logprobs  # per sampling sequence: its SamplingParams.logprobs
+        self.event = None
+        if tokens is not None and tokens.is_cuda:  # (a CUDA->CPU non_blocking copy lands in pinned memory)
+            tokens = tokens.to("cpu", non_blocking=True)
+            logprobs = tuple(t.to("cpu", non_blocking=True) if t is not None else None
+                             for t in logprobs) if logprobs is not None else None
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.tokens, self.logprobs = tokens, logprobs
+
+    def result(self) -> tuple[list[int], list[dict] | None]:
+        """The sampled token per sequence, and (when any asked) per-sequence logprob dicts
+        {token_id: logprob} holding the chosen token and the top `logprobs` alternatives."""
+        if self.tokens is None:
+            return [], None
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.tokens.tolist()
+        if self.logprobs is None:
+            return tokens, None
+        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs)
+        dicts = []
+        for i, k in enumerate(self.num_logprobs):
+            if k is None:
+                dicts.append(None)
+                continue
+            d = dict(zip(top_ids[i][:k], top_values[i][:k])) if k else {}
+            d[tokens[i]] = chosen[i]
+            dicts.append(d)
+        return tokens, dicts
+
+
 class ModelRunner:
     """Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples.
 
@@ -79,6 +117,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
+        self.last_sampled: torch.Tensor | None = None  # [S] the last step's sampled tokens, on the device
         # (a function of its own, not the bound self._to_device: that would make a reference cycle
         # runner -> history -> runner, keeping the model alive after `del llm` until gc runs)
         self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len,
@@ -227,9 +266,14 @@ class ModelRunner:
         np.cumsum(lens_k, out=cu_k[1:])                                              # [B+1]
         parts = [np.array(batch.token_ids, dtype=np.int64), positions, slot_mapping, cu_q, cu_k, lens_k,
                  logits_indices, self.tables.tables[rows, :width].ravel()]            # ..., [B * W]
+        if batch.from_last_step:  # [2, P]: (index in input_ids, row of last_sampled)
+            parts.append(np.array(batch.from_last_step, dtype=np.int64).T.ravel())
         flat = torch.from_numpy(np.concatenate(parts))
-        input_ids, pos, slots, cu_q_d, cu_k_d, lens_d, logits_d, tables_d = \
+        input_ids, pos, slots, cu_q_d, cu_k_d, lens_d, logits_d, tables_d, *last = \
             self._to_device(flat, torch.int64).split([len(p) for p in parts])
+        if last:  # the last step's sampled tokens, still on the device: overlap scheduling
+            dst, src = last[0].view(2, -1)
+            input_ids[dst] = self.last_sampled[src]
         context = Context(
             cu_seqlens_q=cu_q_d.int(), cu_seqlens_k=cu_k_d.int(),
             seq_lens_k=lens_d.int(), max_seqlen_q=int(num_new.max()), max_seqlen_k=int(lens_k.max()),
@@ -252,7 +296,7 @@ class ModelRunner:
         penalties = any(p.has_penalties for p in distinct)
         int_rows, float_rows = [], []
         if not all_greedy:  # greedy rows use none of these: the sampler takes the argmax
-            int_rows += [[s.seed for s in seqs], [len(s.token_ids) for s in seqs]]
+            int_rows += [[s.seed for s in seqs], [s.num_tokens for s in seqs]]  # (the position sampled)
             float_rows.append([p.temperature for p in params])
         if filters:
             int_rows.append([p.top_k for p in params])
@@ -275,7 +319,7 @@ class ModelRunner:
             batch.penalties = (*self.token_history.inputs(seqs, vocab_size), next(floats), next(floats), next(floats))
         if any(p.min_tokens for p in distinct):
             banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
-                      if seq.num_completion_tokens < p.min_tokens
+                      if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens
                       for t in seq.stop_ids]  # min_tokens: no stop token can be drawn yet
             if banned:
                 batch.banned = tuple(self._to_device(list(zip(*banned)), torch.int64))
@@ -283,28 +327,16 @@ class ModelRunner:
             batch.num_logprobs = max(p.logprobs or 0 for p in distinct)
         return batch
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
-        """Sampled token per sequence, and (when any asked) per-sequence logprob dicts
-        {token_id: logprob} holding the chosen token and the top `logprobs` alternatives."""
-        tokens, logprobs = self.sampler(logits, self.sampling_batch(seqs, logits.shape[-1]))
-        tokens = tokens.tolist()
-        if logprobs is None:
-            return tokens, None
-        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in logprobs)
-        dicts = []
-        for i, seq in enumerate(seqs):
-            k = seq.sampling_params.logprobs
-            if k is None:
-                dicts.append(None)
-                continue
-            d = dict(zip(top_ids[i][:k], top_values[i][:k])) if k else {}
-            d[tokens[i]] = chosen[i]
-            dicts.append(d)
-        return tokens, dicts
-
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
-        """Run one step (rank 0); returns the sampled token of each sequence that samples, in order,
-        and their logprob dicts (None when no sequence asked for logprobs)."""
+        """Run one step and wait for it: the sampled token of each sequence that samples, in
+        order, and their logprob dicts (None when no sequence asked for logprobs)."""
+        return self.launch(seqs).result()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence]) -> "SampledTokens":
+        """Start one step (rank 0) and return without waiting for the device: the sampled tokens
+        come back through the returned handle, and stay on the device as the next step's input
+        ids for these sequences (`last_sampled`)."""
         if self.group is not None and self.workers is None:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
         batch = self.tables.encode(seqs)
@@ -318,14 +350,28 @@ class ModelRunner:
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
-        result = [], None
+        out = SampledTokens()
         if logits is not None:
-            result = self.sample(logits, [seq for seq, samples in zip(seqs, batch.samples) if samples])
-        if self.step_events is not None:  # (after sample() read the tokens back: the device is done)
+            sampling = [seq for seq, samples in zip(seqs, batch.samples) if samples]
+            sampling_batch = self.sampling_batch(sampling, logits.shape[-1])
+            tokens, logprobs = self.sampler(logits, sampling_batch)
+            if sampling_batch.penalties is not None:
+                self.token_history.record(tokens)
+            self._share_sampled(tokens)
+            out = SampledTokens(tokens, logprobs, [seq.sampling_params.logprobs for seq in sampling])
+        if self.step_events is not None:  # the end of the step's device work, not of the readback
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.step_events.append((all(n == 1 for n in batch.num_new), start, end))
-        return result
+        return out
+
+    def _share_sampled(self, tokens: torch.Tensor):
+        """Keep a step's sampled tokens on the device as the next step's input ids. With overlap
+        scheduling and tensor parallelism every rank needs them: rank 0 broadcasts them, a
+        device-side collective with no host round trip (the other ranks receive in execute())."""
+        self.last_sampled = tokens
+        if self.group is not None and self.config.async_scheduling:
+            self.group.broadcast(tokens)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor | None:
@@ -338,7 +384,12 @@ class ModelRunner:
                 hidden = self.graphs.run(input_ids, positions, context)
             else:
                 hidden = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden) if any(batch.samples) else None
+            logits = self.model.compute_logits(hidden) if any(batch.samples) else None
+        if self.rank > 0 and logits is None and any(batch.samples) and self.config.async_scheduling:
+            # rank 0's _share_sampled(): this step's tokens, the next step's input ids
+            self.last_sampled = self.group.broadcast(
+                torch.empty(sum(batch.samples), dtype=torch.int64, device=self.device))
+        return logits
 
     def close(self):
         """End the worker processes (rank 0); the runner is unusable afterwards."""

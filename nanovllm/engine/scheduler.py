@@ -1,9 +1,19 @@
 from collections import deque
+from dataclasses import dataclass
 from time import perf_counter
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    """A step on its way to the device: its sequences, each one's num_computed_tokens once the
+    step is done, and whether it samples a token in it."""
+    seqs: list[Sequence]
+    ends: list[int]
+    samples: list[bool]
 
 
 class Scheduler:
@@ -45,8 +55,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and self._at_length_limit(seq):  # its last token is still in flight
+                i += 1
+                continue
             computed = seq.num_computed_tokens
-            num_tokens = min(len(seq.token_ids) - computed, budget)
+            num_tokens = min(seq.num_tokens - computed, budget)
             # (most steps need no new block: skip the block manager then)
             while (computed + num_tokens > len(seq.block_table) * block_size
                    and not self.block_manager.grow(seq, computed + num_tokens)):
@@ -59,11 +72,11 @@ class Scheduler:
                 budget -= num_tokens
                 scheduled.append(seq)
                 i += 1
-        # After a preemption no waiting sequence fits: the victim, now first in line, needs at least
-        # the blocks it gave up, and fewer than that are left.
+        # A victim just preempted is first in line, and may have a token still in flight (overlap
+        # scheduling): it waits for that token, and so does everyone behind it.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.allocate(seq):
+            if seq.num_pending or not self.block_manager.allocate(seq):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -73,6 +86,10 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        return (seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.max_model_len)
+
     def _preempt(self, seq: Sequence):
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.WAITING
@@ -80,33 +97,59 @@ class Scheduler:
         self.waiting.appendleft(seq)  # victims are popped newest first, so admission order survives
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], sampled: list[int], logprobs: list[dict] | None = None) -> list[Sequence]:
-        """Account for a finished step. `sampled` holds one token per sequence that sampled, in
-        order (and `logprobs` their logprob dicts). Returns the sequences that finished."""
-        finished = []
+    def launched(self, seqs: list[Sequence]) -> ScheduledStep:
+        """The scheduled step is on its way to the device: advance each sequence past it. Its
+        scheduled tokens count as computed (the next step may build on them), and a sequence that
+        samples gets a pending token, whose id complete() fills in."""
+        ends, samples = [], []
+        block_size = self.block_manager.block_size
+        for seq in seqs:
+            end = seq.num_computed_tokens + seq.num_scheduled_tokens
+            sample = end == seq.num_tokens
+            # Publish the blocks the step fills whose tokens the host knows (a decode of a pending
+            # token publishes its block in complete()): the next step, scheduled before this one
+            # is accounted for, can then find them. Whoever reads them runs after this step.
+            known = min(end, len(seq.token_ids))
+            if known // block_size > len(seq.block_hashes):
+                self.block_manager.cache_full_blocks(seq, known)
+            seq.num_computed_tokens, seq.num_scheduled_tokens = end, 0
+            seq.num_pending += sample
+            if sample and seq.forks:  # the prompt is computed: the other samples now find its blocks cached
+                self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))  # (aborted)
+                seq.forks = []
+            ends.append(end)
+            samples.append(sample)
+        return ScheduledStep(seqs, ends, samples)
+
+    def complete(self, step: ScheduledStep, sampled: list[int], logprobs: list[dict] | None = None
+                 ) -> list[Sequence]:
+        """Account for a launched step whose results are in: `sampled` holds one token per
+        sequence that sampled, in order (and `logprobs` their logprob dicts). Publishes the blocks
+        the step filled, appends the tokens, checks the stop conditions. Returns the sequences that
+        got a token. With overlap scheduling the next step may already be running: a sequence
+        that finished meanwhile (a stop, an abort) may have sampled once more there, and that
+        token is dropped here, never returned."""
+        updated = []
         now = perf_counter()
         tokens = iter(sampled)
         token_logprobs = iter(logprobs) if logprobs is not None else None
         block_size = self.block_manager.block_size
-        for seq in seqs:
-            computed = seq.num_computed_tokens + seq.num_scheduled_tokens
-            samples = computed == len(seq.token_ids)
-            seq.num_computed_tokens, seq.num_scheduled_tokens = computed, 0
-            if computed // block_size > len(seq.block_hashes):  # a block was filled: publish it
-                self.block_manager.cache_full_blocks(seq)
+        for seq, end, samples in zip(step.seqs, step.ends, step.samples):
+            token = next(tokens) if samples else None
+            entry = next(token_logprobs) if samples and token_logprobs is not None else None
+            if seq.status is SequenceStatus.FINISHED:  # its blocks are freed already
+                continue
+            # a block filled by a pending token: publish it (a preempted sequence holds no blocks)
+            if seq.status is SequenceStatus.RUNNING and end // block_size > len(seq.block_hashes):
+                self.block_manager.cache_full_blocks(seq, end)
             if not samples:
                 continue
-            token = next(tokens)
+            seq.num_pending -= 1
             seq.token_ids.append(token)
-            if token_logprobs is not None:
-                entry = next(token_logprobs)
-                if seq.logprobs is not None:
-                    seq.logprobs.append(entry)
+            if seq.logprobs is not None:
+                seq.logprobs.append(entry)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.forks:  # the prompt is computed: the other samples now find its blocks cached
-                self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))  # (aborted)
-                seq.forks = []
             params, num_tokens = seq.sampling_params, len(seq.token_ids)
             num_completion = num_tokens - seq.num_prompt_tokens
             if token in seq.stop_ids and num_completion >= params.min_tokens:
@@ -116,9 +159,16 @@ class Scheduler:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 self.finish(seq)
-                finished.append(seq)
+            updated.append(seq)
         assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
-        return finished
+        return updated
+
+    def postprocess(self, seqs: list[Sequence], sampled: list[int], logprobs: list[dict] | None = None
+                    ) -> list[Sequence]:
+        """launched() and complete() at once: the synchronous loop's bookkeeping after a step.
+        Returns the sequences that finished."""
+        updated = self.complete(self.launched(seqs), sampled, logprobs)
+        return [seq for seq in updated if seq.is_finished]
 
     def finish(self, seq: Sequence):
         """Release a sequence from whichever queue holds it (also used to abort a request)."""

@@ -18,8 +18,11 @@ class Sequence:
       num_computed_tokens   tokens whose K/V are in the cache (prefix-cache hits included)
       num_scheduled_tokens  tokens this step computes: a prefill chunk, or 1 when decoding
       num_cached_tokens     prompt tokens served by the prefix cache when first admitted
-    A sequence samples a token in a step exactly when that step brings num_computed_tokens up to
-    num_tokens (the end of its prefill, or any decode step).
+      num_pending           tokens sampled on the device whose ids the host has not read yet
+                            (overlap scheduling: at most two, one per step in flight)
+    `token_ids` holds only tokens the host knows; num_tokens counts the pending ones too, since
+    the scheduler plans with them. A sequence samples a token in a step exactly when that step
+    brings num_computed_tokens up to num_tokens (the end of its prefill, or any decode step).
     """
     _ids = count()
 
@@ -37,6 +40,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_cached_tokens = 0
+        self.num_pending = 0
         self.admitted = False                # set at first admission; num_cached_tokens is final then
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -52,11 +56,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_completion_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        """Completion tokens the host knows (pending ones not counted)."""
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:

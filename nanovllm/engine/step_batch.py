@@ -12,8 +12,10 @@ class StepBatch:
 
     Per scheduled sequence: its id, the position of its first new token, how many new tokens it
     has, and whether it samples this step; `token_ids` holds the new tokens of all sequences back
-    to back (a decode step carries one token per sequence, not the prompt). Block tables travel as
-    changes to each rank's copy (`BlockTables`).
+    to back (a decode step carries one token per sequence, not the prompt). A token the last step
+    sampled and the host has not read yet (overlap scheduling) travels as a placeholder and an
+    entry of `from_last_step`: the device fills it in from that step's sampled tokens. Block
+    tables travel as changes to each rank's copy (`BlockTables`).
     """
     seq_ids: list[int]
     starts: list[int]
@@ -22,6 +24,7 @@ class StepBatch:
     samples: list[bool]
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (seq_id, offset, blocks)
     forget: list[int] = field(default_factory=list)  # sequences no longer scheduled
+    from_last_step: list[tuple[int, int]] = field(default_factory=list)  # (index in token_ids, row of its sampled tokens)
 
 
 class BlockTables:
@@ -43,6 +46,7 @@ class BlockTables:
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # blocks known per row
         self.free_rows = list(range(max_rows))             # a heap: the lowest free row first
         self.known: dict[int, tuple[list[int], int]] = {}  # rank 0: seq_id -> (its table list, length) last sent
+        self.sampled_rows: dict[int, int] = {}  # rank 0: seq_id -> its row of the last step's sampled tokens
 
     def __getitem__(self, seq_id: int) -> list[int]:
         row = self.rows[seq_id]
@@ -70,7 +74,8 @@ class BlockTables:
         scheduled = {seq.seq_id for seq in seqs}
         forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
         self._forget(forget)
-        updates, token_ids, starts, num_new, samples = [], [], [], [], []
+        updates, token_ids, starts, num_new, samples, from_last = [], [], [], [], [], []
+        last_rows, self.sampled_rows = self.sampled_rows, {}
         for seq in seqs:
             table, known = seq.block_table, self.known.get(seq.seq_id)
             if known is None or known[0] is not table or len(table) != known[1]:
@@ -79,12 +84,20 @@ class BlockTables:
                 updates.append((seq.seq_id, offset, table[offset:]))
                 self._write(seq.seq_id, offset, table[offset:])
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            token_ids += seq.token_ids[start:start + n]
+            if start + n > len(seq.token_ids):  # a decode of the token the last step sampled, unread
+                assert n == 1 and start == len(seq.token_ids), "only a decode step reads a pending token"
+                from_last.append((len(token_ids), last_rows[seq.seq_id]))
+                token_ids.append(0)
+            else:
+                token_ids += seq.token_ids[start:start + n]
             starts.append(start)
             num_new.append(n)
-            samples.append(start + n == len(seq.token_ids))  # the step ends its prefill, or decodes
-        return StepBatch(seq_ids=[seq.seq_id for seq in seqs], starts=starts,
-                         num_new=num_new, token_ids=token_ids, samples=samples, table_updates=updates, forget=forget)
+            sample = start + n == seq.num_tokens  # the step ends its prefill, or decodes
+            if sample:
+                self.sampled_rows[seq.seq_id] = len(self.sampled_rows)
+            samples.append(sample)
+        return StepBatch(seq_ids=[seq.seq_id for seq in seqs], starts=starts, num_new=num_new, token_ids=token_ids,
+                         samples=samples, table_updates=updates, forget=forget, from_last_step=from_last)
 
     def apply(self, batch: StepBatch):
         """Another rank: the same changes, in the same order, so rows and tables match rank 0's."""

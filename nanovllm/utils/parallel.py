@@ -38,6 +38,13 @@ class TPGroup:
         self.pg.gather([parts] if self.rank == 0 else [], [t], options).wait()
         return parts if self.rank == 0 else None
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (on CUDA the wait is the stream's, not the host's)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.pg.broadcast([t], options).wait()
+        return t
+
     def shutdown(self):
         if hasattr(self.pg, "shutdown"):
             self.pg.shutdown()
