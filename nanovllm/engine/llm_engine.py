@@ -67,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self._in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
+        self.changes = 0  # steps that updated a sequence, and aborts: news for _run() to read
         # Throughput counters since start: a step with any prefill tokens counts as prefill time.
         self.counters = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0}
         # Set to a list to record every step (bench.py --timeline): its wall time, the host's share
@@ -152,6 +153,7 @@ class LLMEngine:
         if not seq.is_finished:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+            self.changes += 1
 
     # ---- running ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
@@ -174,6 +176,7 @@ class LLMEngine:
         tokens, logprobs = done.sampled.result()
         model_s = perf_counter() - wait_start + (launched.launch_s if launched is not None else 0.0)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
+        self.changes += bool(updated)
         for seq in updated:
             if seq.detokenizer is not None:
                 self._update_text(seq)
@@ -256,15 +259,26 @@ class LLMEngine:
         and steps only while one of them is unfinished. On any exception (or the caller closing
         the generator) they are aborted, so no half-finished request keeps holding blocks.
         """
-        seen = {seq.seq_id: seq.num_tokens for seq in seqs}  # tokens already reported, per sequence
-        pending = list(seqs)                                 # not yet reported as finished
+        seen = {seq.seq_id: len(seq.token_ids) for seq in seqs}  # tokens already reported, per sequence
+        pending = list(seqs)                                      # not yet reported as finished
+        read = -1  # the engine's self.changes when news was last read from all of pending
         try:
             while pending:
-                news = [seq for seq in pending
-                        if seq.status is SequenceStatus.FINISHED or len(seq.token_ids) > seen[seq.seq_id]]
+                news = []
+                if read != self.changes:
+                    read = self.changes
+                    news = [seq for seq in pending
+                            if seq.status is SequenceStatus.FINISHED or len(seq.token_ids) > seen[seq.seq_id]]
                 if not news:
-                    self.step()
-                    continue
+                    updated = self.step()
+                    if self.changes != read + bool(updated):  # (not just this step: read all of pending)
+                        continue
+                    # Only this step changed anything: its news is what it updated (the common case,
+                    # read without going through every pending sequence).
+                    read = self.changes
+                    news = [seq for seq in updated if seq.seq_id in seen]
+                    if not news:
+                        continue
                 for seq in news:
                     seen[seq.seq_id] = len(seq.token_ids)
                 num_pending = len(pending)

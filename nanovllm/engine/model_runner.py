@@ -22,6 +22,9 @@ CPU_KV_CACHE_BYTES = 2 << 30
 # The decode graphs' memory is measured by capturing the largest one; the ladder's other graphs
 # share its pool but each adds an executable and pool fragments the probe does not see: a margin.
 GRAPH_MEMORY_MARGIN = 1.25
+# prepare() packs a step's inputs into one buffer, each part starting at a multiple of this many
+# elements: 16 bytes in int32, as Triton wants its pointers aligned.
+ALIGN = 4
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
@@ -118,6 +121,7 @@ class ModelRunner:
             layer.backend = backend
         self.sampler = Sampler()
         self.last_sampled: torch.Tensor | None = None  # [S] the last step's sampled tokens, on the device
+        self.identity = list(range(config.max_num_seqs))  # (prepare() compares with it)
         # (a function of its own, not the bound self._to_device: that would make a reference cycle
         # runner -> history -> runner, keeping the model alive after `del llm` until gc runs)
         self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len,
@@ -246,38 +250,63 @@ class ModelRunner:
         device needs goes over in one host-to-device copy of one int64 buffer."""
         num_seqs, bs = len(batch.seq_ids), self.block_size
         starts = np.array(batch.starts, dtype=np.int64)                              # [B]
-        num_new = np.array(batch.num_new, dtype=np.int64)                            # [B]
-        lens_k = starts + num_new                                                    # [B]
-        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu_q[1:])                                             # [B+1]
-        num_tokens = int(cu_q[-1])
-        decode_only = num_tokens == num_seqs
-        if decode_only:
-            seq_of_token, positions = np.arange(num_seqs), starts                    # [T] each
-        else:
-            seq_of_token = np.repeat(np.arange(num_seqs), num_new)
-            positions = starts[seq_of_token] + np.arange(num_tokens) - cu_q[:-1][seq_of_token]
         rows = self.tables.rows_of(batch.seq_ids)                                    # [B]
-        slot_mapping = self.tables.tables[rows[seq_of_token], positions // bs] * bs + positions % bs  # [T]
+        decode_only = len(batch.token_ids) == num_seqs  # (every sequence has at least one new token)
+        cu_q = np.arange(num_seqs + 1, dtype=np.int64)                               # [B+1]
+        if decode_only:
+            num_new, positions, seq_rows, samples = 1, starts, rows, None            # [T] = [B]
+        else:
+            num_new = np.array(batch.num_new, dtype=np.int64)                        # [B]
+            np.cumsum(num_new, out=cu_q[1:])
+            seq_of_token = np.repeat(np.arange(num_seqs), num_new)                   # [T]
+            positions = starts[seq_of_token] + np.arange(len(seq_of_token)) - cu_q[:-1][seq_of_token]
+            seq_rows, samples = rows[seq_of_token], np.array(batch.samples, dtype=bool)
+        lens_k = starts + num_new                                                    # [B]
+        slot_mapping = self.tables.tables[seq_rows, positions // bs] * bs + positions % bs  # [T]
+        max_len_k = int(lens_k.max())
         has_context = bool(starts.any())  # some sequence attends to cached K/V: pass block tables
-        width = int(-(-lens_k.max() // bs)) if has_context else 0
-        logits_indices = (cu_q[1:] - 1)[np.array(batch.samples, dtype=bool)]        # [S]
+        width = -(-max_len_k // bs) if has_context else 0
+        logits_indices = cu_q[1:] - 1 if samples is None else (cu_q[1:] - 1)[samples]  # [S]
         cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(lens_k, out=cu_k[1:])                                              # [B+1]
-        parts = [np.array(batch.token_ids, dtype=np.int64), positions, slot_mapping, cu_q, cu_k, lens_k,
-                 logits_indices, self.tables.tables[rows, :width].ravel()]            # ..., [B * W]
-        if batch.from_last_step:  # [2, P]: (index in input_ids, row of last_sampled)
-            parts.append(np.array(batch.from_last_step, dtype=np.int64).T.ravel())
-        flat = torch.from_numpy(np.concatenate(parts))
-        input_ids, pos, slots, cu_q_d, cu_k_d, lens_d, logits_d, tables_d, *last = \
-            self._to_device(flat, torch.int64).split([len(p) for p in parts])
-        if last:  # the last step's sampled tokens, still on the device: overlap scheduling
-            dst, src = last[0].view(2, -1)
-            input_ids[dst] = self.last_sampled[src]
+        # int64 parts, then the int32 ones (converted on the device in one op)
+        num_from_last = len(batch.from_last_step) // 2
+        # A decode step whose every input token is the last step's sampled one, in the same order
+        # (overlap scheduling's steady state): the input ids are that tensor itself.
+        feeds_back = (decode_only and num_from_last == num_seqs
+                      and batch.from_last_step[num_seqs:] == self.identity[:num_seqs])
+        parts = [positions, slot_mapping, logits_indices]
+        if not feeds_back:
+            parts.insert(0, np.array(batch.token_ids, dtype=np.int64))
+            if num_from_last:  # [2 * P]: indices in input_ids, then rows of last_sampled
+                parts.append(np.array(batch.from_last_step, dtype=np.int64))
+        num_int64 = len(parts)
+        parts += [cu_q, cu_k, lens_k, self.tables.tables[rows, :width].ravel()]       # ..., [B * W]
+        # Each part starts at a multiple of ALIGN elements: Triton specializes kernels on whether
+        # a pointer is 16-byte aligned, so a view at an odd offset would compile another variant.
+        sizes = []  # part, padding, part, padding, ...
+        for p in parts:
+            sizes += [len(p), -len(p) % ALIGN]
+        offsets = np.cumsum([0] + sizes).tolist()[::2]
+        flat = np.zeros(offsets[-1], dtype=np.int64)
+        for p, o in zip(parts, offsets):
+            flat[o:o + len(p)] = p
+        flat = self._to_device(torch.from_numpy(flat), torch.int64)
+        split = offsets[num_int64]
+        views = flat[:split].split(sizes[:2 * num_int64])[::2] + flat[split:].int().split(sizes[2 * num_int64:])[::2]
+        cu_q_d, cu_k_d, lens_d, tables_d = views[num_int64:]
+        if feeds_back:
+            pos, slots, logits_d = views[:num_int64]
+            input_ids = self.last_sampled[:num_seqs]
+        else:
+            input_ids, pos, slots, logits_d, *last = views[:num_int64]
+            if last:  # tokens the last step sampled, still on the device: overlap scheduling
+                dst, src = last[0].view(2, -1)
+                input_ids[dst] = self.last_sampled[src]
         context = Context(
-            cu_seqlens_q=cu_q_d.int(), cu_seqlens_k=cu_k_d.int(),
-            seq_lens_k=lens_d.int(), max_seqlen_q=int(num_new.max()), max_seqlen_k=int(lens_k.max()),
-            slot_mapping=slots, block_tables=tables_d.view(num_seqs, width).int() if has_context else None,
+            cu_seqlens_q=cu_q_d, cu_seqlens_k=cu_k_d, seq_lens_k=lens_d,
+            max_seqlen_q=1 if decode_only else int(num_new.max()), max_seqlen_k=max_len_k,
+            slot_mapping=slots, block_tables=tables_d.view(num_seqs, width) if has_context else None,
             logits_indices=logits_d, decode_only=decode_only, cu_seqlens_q_cpu=cu_q.tolist(),
             seq_lens_k_cpu=lens_k.tolist(),
             padded_batch=padded_batch_size(num_seqs, self.graph_sizes) if decode_only else 0,

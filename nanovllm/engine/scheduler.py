@@ -42,6 +42,7 @@ class Scheduler:
             s.stop_ids = set(s.sampling_params.stop_token_ids)
             if not s.sampling_params.ignore_eos:
                 s.stop_ids |= self.eos_token_ids
+            s.token_limit = min(s.token_limit, self.max_model_len)
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -55,7 +56,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and self._at_length_limit(seq):  # its last token is still in flight
+            if seq.num_tokens >= seq.token_limit:  # its last token is still in flight (overlap scheduling)
                 i += 1
                 continue
             computed = seq.num_computed_tokens
@@ -86,10 +87,6 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
-    def _at_length_limit(self, seq: Sequence) -> bool:
-        return (seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
-                or seq.num_tokens >= self.max_model_len)
-
     def _preempt(self, seq: Sequence):
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.WAITING
@@ -109,14 +106,16 @@ class Scheduler:
             # Publish the blocks the step fills whose tokens the host knows (a decode of a pending
             # token publishes its block in complete()): the next step, scheduled before this one
             # is accounted for, can then find them. Whoever reads them runs after this step.
-            known = min(end, len(seq.token_ids))
-            if known // block_size > len(seq.block_hashes):
-                self.block_manager.cache_full_blocks(seq, known)
+            num_hashed = len(seq.block_hashes)
+            if end >= (num_hashed + 1) * block_size and min(end, len(seq.token_ids)) // block_size > num_hashed:
+                self.block_manager.cache_full_blocks(seq, min(end, len(seq.token_ids)))
             seq.num_computed_tokens, seq.num_scheduled_tokens = end, 0
-            seq.num_pending += sample
-            if sample and seq.forks:  # the prompt is computed: the other samples now find its blocks cached
-                self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))  # (aborted)
-                seq.forks = []
+            if sample:
+                seq.num_pending += 1
+                seq.num_tokens += 1
+                if seq.forks:  # the prompt is computed: the other samples now find its blocks cached
+                    self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))
+                    seq.forks = []
             ends.append(end)
             samples.append(sample)
         return ScheduledStep(seqs, ends, samples)
@@ -132,34 +131,37 @@ class Scheduler:
         updated = []
         now = perf_counter()
         tokens = iter(sampled)
-        token_logprobs = iter(logprobs) if logprobs is not None else None
+        entries = iter(logprobs) if logprobs is not None else None
         block_size = self.block_manager.block_size
-        for seq, end, samples in zip(step.seqs, step.ends, step.samples):
-            token = next(tokens) if samples else None
-            entry = next(token_logprobs) if samples and token_logprobs is not None else None
-            if seq.status is SequenceStatus.FINISHED:  # its blocks are freed already
+        running, finished = SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        for seq, end, sample in zip(step.seqs, step.ends, step.samples):
+            if sample:
+                token = next(tokens)
+                entry = next(entries) if entries is not None else None
+            if seq.status is finished:  # its blocks are freed already; a token sampled past its end is dropped
                 continue
             # a block filled by a pending token: publish it (a preempted sequence holds no blocks)
-            if seq.status is SequenceStatus.RUNNING and end // block_size > len(seq.block_hashes):
+            if end // block_size > len(seq.block_hashes) and seq.status is running:
                 self.block_manager.cache_full_blocks(seq, end)
-            if not samples:
+            if not sample:
                 continue
             seq.num_pending -= 1
             seq.token_ids.append(token)
-            if seq.logprobs is not None:
+            if entries is not None and seq.logprobs is not None:
                 seq.logprobs.append(entry)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            params, num_tokens = seq.sampling_params, len(seq.token_ids)
-            num_completion = num_tokens - seq.num_prompt_tokens
-            if token in seq.stop_ids and num_completion >= params.min_tokens:
-                seq.finish_reason = "stop"
-                seq.stop_reason = token if token in params.stop_token_ids else None
-            elif num_completion >= params.max_tokens or num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            if seq.finish_reason is not None:
-                self.finish(seq)
             updated.append(seq)
+            if token in seq.stop_ids:
+                params = seq.sampling_params
+                if len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
+                    seq.finish_reason = "stop"
+                    seq.stop_reason = token if token in params.stop_token_ids else None
+                    self.finish(seq)
+                    continue
+            if len(seq.token_ids) >= seq.token_limit:
+                seq.finish_reason = "length"
+                self.finish(seq)
         assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
         return updated
 

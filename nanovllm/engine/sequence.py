@@ -25,6 +25,11 @@ class Sequence:
     brings num_computed_tokens up to num_tokens (the end of its prefill, or any decode step).
     """
     _ids = count()
+    __slots__ = ("seq_id", "index", "sample_index", "status", "token_ids", "num_prompt_tokens", "num_tokens",
+                 "sampling_params", "seed", "block_table", "block_hashes", "num_computed_tokens",
+                 "num_scheduled_tokens", "num_cached_tokens", "num_pending", "token_limit", "admitted",
+                 "finish_reason", "stop_reason", "stop_ids", "forks", "logprobs", "detokenizer", "text",
+                 "num_emitted_tokens", "num_emitted_chars", "arrival_time", "first_token_time", "finish_time")
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int, index: int = 0,
                  sample_index: int = 0):
@@ -33,6 +38,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
+        self.num_tokens = len(token_ids)     # len(token_ids) + num_pending, kept by the scheduler
         self.sampling_params = sampling_params
         self.seed = seed                     # sampling noise is a function of (seed, position)
         self.block_table: list[int] = []     # physical block ids, one per block_size tokens
@@ -41,6 +47,7 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_cached_tokens = 0
         self.num_pending = 0
+        self.token_limit = self.num_prompt_tokens + sampling_params.max_tokens  # (the scheduler caps it at max_model_len)
         self.admitted = False                # set at first admission; num_cached_tokens is final then
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -53,10 +60,6 @@ class Sequence:
         self.arrival_time = perf_counter()       # perf_counter() seconds
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + self.num_pending
 
     @property
     def num_completion_tokens(self) -> int:

@@ -24,7 +24,8 @@ class StepBatch:
     samples: list[bool]
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (seq_id, offset, blocks)
     forget: list[int] = field(default_factory=list)  # sequences no longer scheduled
-    from_last_step: list[tuple[int, int]] = field(default_factory=list)  # (index in token_ids, row of its sampled tokens)
+    # [indices in token_ids..., then the rows of the last step's sampled tokens they take, in order]
+    from_last_step: list[int] = field(default_factory=list)
 
 
 class BlockTables:
@@ -45,6 +46,7 @@ class BlockTables:
         self.rows: dict[int, int] = {}                     # seq_id -> row
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # blocks known per row
         self.free_rows = list(range(max_rows))             # a heap: the lowest free row first
+        self._rows_of: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
         self.known: dict[int, tuple[list[int], int]] = {}  # rank 0: seq_id -> (its table list, length) last sent
         self.sampled_rows: dict[int, int] = {}  # rank 0: seq_id -> its row of the last step's sampled tokens
 
@@ -71,33 +73,39 @@ class BlockTables:
 
     def encode(self, seqs: list[Sequence]) -> StepBatch:
         """This step's message (rank 0), applying its table changes to this copy on the way."""
-        scheduled = {seq.seq_id for seq in seqs}
-        forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
-        self._forget(forget)
-        updates, token_ids, starts, num_new, samples, from_last = [], [], [], [], [], []
-        last_rows, self.sampled_rows = self.sampled_rows, {}
+        seq_ids = [seq.seq_id for seq in seqs]
+        if len(self.rows) != len(seq_ids) or not self.rows.keys() >= set(seq_ids):  # (most steps: the same set)
+            scheduled = set(seq_ids)
+            forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
+            self._forget(forget)
+        else:
+            forget = []
+        updates, token_ids, starts, num_new, samples, from_last, from_rows = [], [], [], [], [], [], []
+        last_rows, sampling = self.sampled_rows, []
+        known_tables = self.known
         for seq in seqs:
-            table, known = seq.block_table, self.known.get(seq.seq_id)
+            table, known = seq.block_table, known_tables.get(seq.seq_id)
             if known is None or known[0] is not table or len(table) != known[1]:
                 offset = known[1] if known is not None and known[0] is table else 0
-                self.known[seq.seq_id] = (table, len(table))
+                known_tables[seq.seq_id] = (table, len(table))
                 updates.append((seq.seq_id, offset, table[offset:]))
                 self._write(seq.seq_id, offset, table[offset:])
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            if start + n > len(seq.token_ids):  # a decode of the token the last step sampled, unread
-                assert n == 1 and start == len(seq.token_ids), "only a decode step reads a pending token"
-                from_last.append((len(token_ids), last_rows[seq.seq_id]))
+            if start == len(seq.token_ids):  # a decode of the token the last step sampled, unread
+                from_last.append(len(token_ids))
+                from_rows.append(last_rows[seq.seq_id])
                 token_ids.append(0)
             else:
                 token_ids += seq.token_ids[start:start + n]
             starts.append(start)
             num_new.append(n)
             sample = start + n == seq.num_tokens  # the step ends its prefill, or decodes
-            if sample:
-                self.sampled_rows[seq.seq_id] = len(self.sampled_rows)
             samples.append(sample)
-        return StepBatch(seq_ids=[seq.seq_id for seq in seqs], starts=starts, num_new=num_new, token_ids=token_ids,
-                         samples=samples, table_updates=updates, forget=forget, from_last_step=from_last)
+            if sample:
+                sampling.append(seq.seq_id)
+        self.sampled_rows = dict(zip(sampling, range(len(sampling))))
+        return StepBatch(seq_ids=seq_ids, starts=starts, num_new=num_new, token_ids=token_ids,
+                         samples=samples, table_updates=updates, forget=forget, from_last_step=from_last + from_rows)
 
     def apply(self, batch: StepBatch):
         """Another rank: the same changes, in the same order, so rows and tables match rank 0's."""
@@ -106,4 +114,8 @@ class BlockTables:
             self._write(seq_id, offset, blocks)
 
     def rows_of(self, seq_ids: list[int]) -> np.ndarray:
-        return np.fromiter((self.rows[i] for i in seq_ids), dtype=np.int64, count=len(seq_ids))
+        """The rows of these sequences, [B] (the last answer is kept: most steps ask it again)."""
+        if seq_ids != self._rows_of[0]:
+            self._rows_of = (seq_ids, np.fromiter(map(self.rows.__getitem__, seq_ids), dtype=np.int64,
+                                                  count=len(seq_ids)))
+        return self._rows_of[1]
