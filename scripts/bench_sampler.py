@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
-from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.engine.scheduler import plan_step  # noqa: E402
+from nanovllm.engine.sequence import SeqState, Sequence  # noqa: E402
 from nanovllm.layers.sampler import Sampler, TokenHistory  # noqa: E402
 
 # Standard normal logits over a 150k vocabulary are nearly flat: at temperature 0.8 the 0.9 nucleus
@@ -63,19 +64,23 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     results = {}
     for name, params in CONFIGS.items():
-        seqs = []
+        seqs, state = [], SeqState()
         for i in range(args.batch):
             ids = torch.randint(0, args.vocab, (args.prompt_len + args.output_len,), generator=gen).tolist()
             seq = Sequence(ids[:args.prompt_len], SamplingParams(max_tokens=4096, **params), seed=i)
             seq.token_ids.extend(ids[args.prompt_len:])
+            seq.num_tokens = len(seq.token_ids)
+            seq.num_computed_tokens, seq.num_scheduled_tokens = seq.num_tokens - 1, 1  # a decode step
+            state.attach(seq)
             seqs.append(seq)
+        step = plan_step(seqs, state)
         logits = logits_of[LOGITS.get(name, "peaked")]
         times = []
         for _ in range(args.iters + 1):  # the first call warms up
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            tokens, _ = sampler(logits, ModelRunner.sampling_batch(runner, seqs, args.vocab))
+            tokens, _ = sampler(logits, ModelRunner.sampling_batch(runner, step, args.vocab))
             tokens.tolist()
             times.append(time.perf_counter() - start)
         results[name] = min(times[1:])

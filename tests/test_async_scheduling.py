@@ -85,9 +85,9 @@ def record_launches(llm):
     """Wrap the runner's launch: the list of (seq_ids, from_last_step) of every launched step."""
     launches, launch, encode = [], llm.model_runner.launch, llm.model_runner.tables.encode
 
-    def encode_and_record(seqs):
-        batch = encode(seqs)
-        launches.append(([seq.seq_id for seq in seqs], batch.from_last_step))
+    def encode_and_record(step):
+        batch = encode(step)
+        launches.append(([seq.seq_id for seq in step.seqs], batch.from_last_step))
         return batch
 
     llm.model_runner.tables.encode = encode_and_record

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.scheduler import plan_step
+from nanovllm.engine.sequence import SeqState, Sequence
 from nanovllm.engine.step_batch import BlockTables
 from nanovllm.utils.tiny_model import build_model
 
@@ -187,20 +188,28 @@ def test_interpreter_exit_and_ctrl_c_end_workers(model_dir, tmp_path, interrupt)
     assert not any(alive(p) for p in workers), "orphaned worker processes"
 
 
+def encode(tables: BlockTables, seqs, state: SeqState):
+    """Rank 0's message for a step of these sequences (their tables as the block manager leaves them)."""
+    for seq in seqs:
+        seq.block_capacity = len(seq.block_table) * tables.block_size
+    return tables.encode(plan_step(seqs, state))
+
+
 def test_decode_message_is_small():
     """A decode step at 256 sequences sends each one's last token, not its prompt or its table."""
-    tables = BlockTables(max_rows=256, max_blocks_per_seq=63)
+    tables, state = BlockTables(max_rows=256, max_blocks_per_seq=63, block_size=16), SeqState()
     seqs = []
     for i in range(256):
         seq = Sequence(list(range(1000)), GREEDY, seed=0)
+        state.attach(seq)
         seq.block_table = list(range(i * 63, i * 63 + 63))
         seq.num_computed_tokens, seq.num_scheduled_tokens = 999, 1
         seqs.append(seq)
-    first = len(pickle.dumps(tables.encode(seqs), pickle.HIGHEST_PROTOCOL))  # tables sent whole once
+    first = len(pickle.dumps(encode(tables, seqs, state), pickle.HIGHEST_PROTOCOL))  # tables sent whole once
     for seq in seqs:  # the next decode step: one more token each, no new block
         seq.token_ids.append(7)
-        seq.num_computed_tokens = 1000
-    decode = len(pickle.dumps(tables.encode(seqs), pickle.HIGHEST_PROTOCOL))
+        seq.num_tokens, seq.num_computed_tokens = 1001, 1000
+    decode = len(pickle.dumps(encode(tables, seqs, state), pickle.HIGHEST_PROTOCOL))
     print(f"\nTP message: first step {first} bytes, decode step at 256 sequences {decode} bytes")
     assert decode < 8 * 1024 < first
 
@@ -238,19 +247,25 @@ def test_block_tables_copies_agree_across_growth_preemption_and_forgetting():
     copies must hold every scheduled sequence's table, in the same rows, step after step."""
     import random
     rng = random.Random(0)
-    rank0, rank1 = BlockTables(max_rows=8, max_blocks_per_seq=12), BlockTables(max_rows=8, max_blocks_per_seq=12)
+    rank0, rank1 = (BlockTables(max_rows=8, max_blocks_per_seq=12, block_size=4) for _ in range(2))
+    state = SeqState()
     seqs = [Sequence([1, 2, 3], GREEDY, seed=0) for _ in range(12)]
     for seq in seqs:
         seq.block_table = [rng.randrange(100)]
+        seq.num_scheduled_tokens = 1
+        state.attach(seq)
     for _ in range(200):
         batch_seqs = rng.sample(seqs, rng.randint(1, 8))
-        for seq in batch_seqs:
+        for seq in list(batch_seqs):
             action = rng.random()
             if action < 0.3 and len(seq.block_table) < 12:
                 seq.block_table.append(rng.randrange(100))            # grows in place
-            elif action < 0.4:
-                seq.block_table = [rng.randrange(100) for _ in range(rng.randint(1, 12))]  # preempted, re-admitted
-        batch = rank0.encode(batch_seqs)
+            elif action < 0.4:  # preempted: out of this step, re-admitted later with a new table
+                seq.block_table = [rng.randrange(100) for _ in range(rng.randint(1, 12))]
+                batch_seqs.remove(seq)
+        if not batch_seqs:
+            continue
+        batch = encode(rank0, batch_seqs, state)
         rank1.apply(pickle.loads(pickle.dumps(batch)))
         for seq in batch_seqs:
             assert rank0[seq.seq_id] == rank1[seq.seq_id] == seq.block_table

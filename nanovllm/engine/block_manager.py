@@ -117,6 +117,7 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hit_ids + [self._take_free_block() for _ in range(num_new)]
         seq.block_hashes = hashes
+        seq.block_capacity, seq.num_hashed_blocks = len(seq.block_table) * self.block_size, len(hashes)
         seq.num_computed_tokens = len(hit_ids) * self.block_size
         self.num_cached_tokens += seq.num_computed_tokens
         self._note_usage()
@@ -132,6 +133,7 @@ class BlockManager:
         if num_new > len(self.free):
             return False
         seq.block_table.extend(self._take_free_block() for _ in range(num_new))
+        seq.block_capacity = len(seq.block_table) * self.block_size
         self._note_usage()
         return True
 
@@ -157,6 +159,7 @@ class BlockManager:
             block.hash, block.token_ids = h, tokens
             block.parent = (parent.block_id, parent.generation) if parent else None
             self.hash_to_block[h] = block.block_id
+        seq.num_hashed_blocks = len(seq.block_hashes)
 
     def free_blocks(self, seq: Sequence):
         """Drop seq's references. Its tail is freed first, so it is also reused first and the more
@@ -169,4 +172,4 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.block_capacity = seq.num_hashed_blocks = 0

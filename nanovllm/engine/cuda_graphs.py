@@ -1,3 +1,5 @@
+import bisect
+
 import torch
 
 from nanovllm.utils.context import Context, forward_context
@@ -17,7 +19,8 @@ def padded_batch_size(batch: int, sizes: list[int]) -> int:
     """The captured size a decode batch pads to; the batch itself above the ladder (it runs eagerly).
     Eager decode steps record it too (Context.padded_batch): kernels that size their work from it
     then do the same in an eager step as in its graph replay."""
-    return next((s for s in sizes if s >= batch), batch)
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else batch
 
 
 class DecodeGraphs:

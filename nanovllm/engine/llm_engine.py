@@ -197,15 +197,15 @@ class LLMEngine:
         seqs = self.scheduler.schedule()
         if not seqs:
             return None
-        num_tokens = sum([seq.num_scheduled_tokens for seq in seqs])
+        step = self.scheduler.plan(seqs)
+        num_tokens = int(step.num_new.sum())
         num_decode = 0
         if self.step_records is not None:  # decode rows: one token that completes the sequence
-            num_decode = sum(1 for seq in seqs if seq.num_scheduled_tokens == 1 and 0 < seq.num_computed_tokens
-                             == seq.num_tokens - 1)
+            num_decode = int((step.samples & (step.num_new == 1) & (step.starts > 0)).sum())
         launch_start = perf_counter()
-        sampled = self.model_runner.launch(seqs)
+        sampled = self.model_runner.launch(step)
         launch_s = perf_counter() - launch_start
-        return InFlightStep(self.scheduler.launched(seqs), sampled, num_tokens, num_decode, launch_s)
+        return InFlightStep(self.scheduler.launched(step), sampled, num_tokens, num_decode, launch_s)
 
     def _update_text(self, seq: Sequence):
         """Grow seq.text by its new token; end the sequence at a stop string."""

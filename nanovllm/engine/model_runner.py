@@ -6,7 +6,10 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, padded_batch_size
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.scheduler import ScheduledStep
+from nanovllm.engine.sequence import (FILTERS, FLAGS, FREQUENCY, HAS_MIN_TOKENS, LOGPROBS, MIN_P, MIN_TOKENS,
+                                      PENALIZED, PRESENCE, PROMPT, RANDOM, REPETITION, SEED, TEMPERATURE, TOP_K,
+                                      TOP_P, USES_MIN_P, WANTS_LOGPROBS)
 from nanovllm.engine.step_batch import BlockTables, StepBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
@@ -103,7 +106,7 @@ class ModelRunner:
         else:
             self.device = torch.device("cpu")
         self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
-        self.tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq)
+        self.tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, config.block_size)
         # CUDA only, set to a list to time steps on the device (bench.py): per step (decode only?,
         # start event, end event), the start recorded before the step's first launch.
         self.step_events: list | None = None
@@ -121,7 +124,7 @@ class ModelRunner:
             layer.backend = backend
         self.sampler = Sampler()
         self.last_sampled: torch.Tensor | None = None  # [S] the last step's sampled tokens, on the device
-        self.identity = list(range(config.max_num_seqs))  # (prepare() compares with it)
+        self.identity = np.arange(config.max_num_seqs)  # (prepare() compares with it)
         # (a function of its own, not the bound self._to_device: that would make a reference cycle
         # runner -> history -> runner, keeping the model alive after `del llm` until gc runs)
         self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len,
@@ -249,18 +252,18 @@ class ModelRunner:
         Vectorized over the persistent block tables (numpy on the host), and everything the
         device needs goes over in one host-to-device copy of one int64 buffer."""
         num_seqs, bs = len(batch.seq_ids), self.block_size
-        starts = np.array(batch.starts, dtype=np.int64)                              # [B]
+        starts = batch.starts.astype(np.int64)                                       # [B]
         rows = self.tables.rows_of(batch.seq_ids)                                    # [B]
         decode_only = len(batch.token_ids) == num_seqs  # (every sequence has at least one new token)
         cu_q = np.arange(num_seqs + 1, dtype=np.int64)                               # [B+1]
         if decode_only:
             num_new, positions, seq_rows, samples = 1, starts, rows, None            # [T] = [B]
         else:
-            num_new = np.array(batch.num_new, dtype=np.int64)                        # [B]
+            num_new = batch.num_new.astype(np.int64)                                 # [B]
             np.cumsum(num_new, out=cu_q[1:])
             seq_of_token = np.repeat(np.arange(num_seqs), num_new)                   # [T]
             positions = starts[seq_of_token] + np.arange(len(seq_of_token)) - cu_q[:-1][seq_of_token]
-            seq_rows, samples = rows[seq_of_token], np.array(batch.samples, dtype=bool)
+            seq_rows, samples = rows[seq_of_token], batch.samples
         lens_k = starts + num_new                                                    # [B]
         slot_mapping = self.tables.tables[seq_rows, positions // bs] * bs + positions % bs  # [T]
         max_len_k = int(lens_k.max())
@@ -274,26 +277,28 @@ class ModelRunner:
         # A decode step whose every input token is the last step's sampled one, in the same order
         # (overlap scheduling's steady state): the input ids are that tensor itself.
         feeds_back = (decode_only and num_from_last == num_seqs
-                      and batch.from_last_step[num_seqs:] == self.identity[:num_seqs])
+                      and (batch.from_last_step[num_seqs:] == self.identity[:num_seqs]).all())
         parts = [positions, slot_mapping, logits_indices]
         if not feeds_back:
-            parts.insert(0, np.array(batch.token_ids, dtype=np.int64))
+            parts.insert(0, batch.token_ids)
             if num_from_last:  # [2 * P]: indices in input_ids, then rows of last_sampled
-                parts.append(np.array(batch.from_last_step, dtype=np.int64))
+                parts.append(batch.from_last_step)
         num_int64 = len(parts)
         parts += [cu_q, cu_k, lens_k, self.tables.tables[rows, :width].ravel()]       # ..., [B * W]
         # Each part starts at a multiple of ALIGN elements: Triton specializes kernels on whether
         # a pointer is 16-byte aligned, so a view at an odd offset would compile another variant.
-        sizes = []  # part, padding, part, padding, ...
+        offsets, end = [], 0
         for p in parts:
-            sizes += [len(p), -len(p) % ALIGN]
-        offsets = np.cumsum([0] + sizes).tolist()[::2]
-        flat = np.zeros(offsets[-1], dtype=np.int64)
+            offsets.append(end)
+            end += -(-len(p) // ALIGN) * ALIGN
+        flat = np.zeros(end, dtype=np.int64)
         for p, o in zip(parts, offsets):
             flat[o:o + len(p)] = p
         flat = self._to_device(torch.from_numpy(flat), torch.int64)
         split = offsets[num_int64]
-        views = flat[:split].split(sizes[:2 * num_int64])[::2] + flat[split:].int().split(sizes[2 * num_int64:])[::2]
+        flat32 = flat[split:].int()
+        views = [flat[o:o + len(p)] if i < num_int64 else flat32[o - split:o - split + len(p)]
+                 for i, (p, o) in enumerate(zip(parts, offsets))]
         cu_q_d, cu_k_d, lens_d, tables_d = views[num_int64:]
         if feeds_back:
             pos, slots, logits_d = views[:num_int64]
@@ -313,62 +318,65 @@ class ModelRunner:
             max_model_len=self.config.max_model_len)
         return input_ids, pos, context
 
-    def sampling_batch(self, seqs: list[Sequence], vocab_size: int) -> SamplingBatch:
-        """Gather the sampling parameters of the sampling sequences into device tensors: one copy
-        of the int rows and one of the float rows. A batch holds few distinct SamplingParams
-        (often one), so what the batch needs is decided from those, not row by row."""
-        params = [seq.sampling_params for seq in seqs]
-        distinct = list({id(p): p for p in params}.values())
-        all_greedy = all(p.temperature == 0 for p in distinct)
-        filters = any(p.top_k > 0 or p.top_p < 1 for p in distinct)
-        min_p = any(p.min_p > 0 for p in distinct)
-        penalties = any(p.has_penalties for p in distinct)
+    def sampling_batch(self, step: ScheduledStep, vocab_size: int) -> SamplingBatch:
+        """Gather the sampling parameters of the step's sampling rows, written once per sequence
+        in the scheduler's SeqState, into device tensors: one copy of the int rows and one of the
+        float rows, each holding only what some row of the batch uses."""
+        cols = step.cols[step.samples]
+        state = step.state
+        needs = int(np.bitwise_or.reduce(state.ints[FLAGS, cols]))  # what any row of the batch needs
+        all_greedy = not needs & RANDOM
+        filters, min_p, penalties = needs & FILTERS, needs & USES_MIN_P, needs & PENALIZED
+        ints = state.ints[:, cols] if needs else None  # [NUM_INTS, S]
+        floats = state.floats[:, cols] if needs & (RANDOM | FILTERS | USES_MIN_P | PENALIZED) else None  # [6, S]
         int_rows, float_rows = [], []
         if not all_greedy:  # greedy rows use none of these: the sampler takes the argmax
-            int_rows += [[s.seed for s in seqs], [s.num_tokens for s in seqs]]  # (the position sampled)
-            float_rows.append([p.temperature for p in params])
+            int_rows += [ints[SEED], step.ends[step.samples]]  # (the position of the token sampled)
+            float_rows.append(floats[TEMPERATURE])
         if filters:
-            int_rows.append([p.top_k for p in params])
-            float_rows.append([p.top_p for p in params])
+            int_rows.append(ints[TOP_K])
+            float_rows.append(floats[TOP_P])
         if min_p:
-            float_rows.append([p.min_p for p in params])
+            float_rows.append(floats[MIN_P])
         if penalties:
-            float_rows += [[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                           [p.repetition_penalty for p in params]]
-        ints = iter(self._to_device(int_rows, torch.int64)) if int_rows else None        # [rows, B]
-        floats = iter(self._to_device(float_rows, torch.float32)) if float_rows else None
-        batch = SamplingBatch(temperatures=None if all_greedy else next(floats),
-                              seeds=None if all_greedy else next(ints), positions=None if all_greedy else next(ints),
-                              all_greedy=all_greedy)
+            float_rows += [floats[PRESENCE], floats[FREQUENCY], floats[REPETITION]]
+        ints_d = iter(self._to_device(torch.from_numpy(np.stack(int_rows)), torch.int64)) if int_rows else None
+        floats_d = iter(self._to_device(torch.from_numpy(np.stack(float_rows)), torch.float32)) if float_rows else None
+        batch = SamplingBatch(temperatures=None if all_greedy else next(floats_d),
+                              seeds=None if all_greedy else next(ints_d),
+                              positions=None if all_greedy else next(ints_d), all_greedy=all_greedy)
         if filters:
-            batch.top_ks, batch.top_ps = next(ints), next(floats)
+            batch.top_ks, batch.top_ps = next(ints_d), next(floats_d)
         if min_p:
-            batch.min_ps = next(floats)
+            batch.min_ps = next(floats_d)
+        if penalties or needs & HAS_MIN_TOKENS:
+            sampling = [step.seqs[i] for i in np.flatnonzero(step.samples).tolist()]
         if penalties:
-            batch.penalties = (*self.token_history.inputs(seqs, vocab_size), next(floats), next(floats), next(floats))
-        if any(p.min_tokens for p in distinct):
-            banned = [(i, t) for i, (seq, p) in enumerate(zip(seqs, params))
-                      if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens
-                      for t in seq.stop_ids]  # min_tokens: no stop token can be drawn yet
+            batch.penalties = (*self.token_history.inputs(sampling, vocab_size), next(floats_d), next(floats_d),
+                               next(floats_d))
+        if needs & HAS_MIN_TOKENS:  # min_tokens: no stop token can be drawn yet
+            early = np.flatnonzero(step.ends[step.samples] - ints[PROMPT] < ints[MIN_TOKENS]).tolist()
+            banned = [(i, t) for i in early for t in sampling[i].stop_ids]
             if banned:
-                batch.banned = tuple(self._to_device(list(zip(*banned)), torch.int64))
-        if any(p.logprobs is not None for p in distinct):
-            batch.num_logprobs = max(p.logprobs or 0 for p in distinct)
+                batch.banned = tuple(self._to_device(torch.tensor(list(zip(*banned)), dtype=torch.int64),
+                                                     torch.int64))
+        if needs & WANTS_LOGPROBS:
+            batch.num_logprobs = int(ints[LOGPROBS].max())
         return batch
 
-    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[dict] | None]:
+    def run(self, step: ScheduledStep) -> tuple[list[int], list[dict] | None]:
         """Run one step and wait for it: the sampled token of each sequence that samples, in
         order, and their logprob dicts (None when no sequence asked for logprobs)."""
-        return self.launch(seqs).result()
+        return self.launch(step).result()
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence]) -> "SampledTokens":
+    def launch(self, step: ScheduledStep) -> "SampledTokens":
         """Start one step (rank 0) and return without waiting for the device: the sampled tokens
         come back through the returned handle, and stay on the device as the next step's input
         ids for these sequences (`last_sampled`)."""
         if self.group is not None and self.workers is None:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
-        batch = self.tables.encode(seqs)
+        batch = self.tables.encode(step)
         if self.workers is not None:
             self.last_message_bytes = self.workers.call("execute", batch)
         if self.step_events is not None:
@@ -381,17 +389,19 @@ class ModelRunner:
             raise
         out = SampledTokens()
         if logits is not None:
-            sampling = [seq for seq, samples in zip(seqs, batch.samples) if samples]
-            sampling_batch = self.sampling_batch(sampling, logits.shape[-1])
+            sampling_batch = self.sampling_batch(step, logits.shape[-1])
             tokens, logprobs = self.sampler(logits, sampling_batch)
             if sampling_batch.penalties is not None:
                 self.token_history.record(tokens)
             self._share_sampled(tokens)
-            out = SampledTokens(tokens, logprobs, [seq.sampling_params.logprobs for seq in sampling])
+            num_logprobs = None
+            if logprobs is not None:  # per sampling row: its SamplingParams.logprobs
+                num_logprobs = [k if k >= 0 else None for k in step.state.ints[LOGPROBS, step.cols[step.samples]].tolist()]
+            out = SampledTokens(tokens, logprobs, num_logprobs)
         if self.step_events is not None:  # the end of the step's device work, not of the readback
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.step_events.append((all(n == 1 for n in batch.num_new), start, end))
+            self.step_events.append((bool((batch.num_new == 1).all()), start, end))
         return out
 
     def _share_sampled(self, tokens: torch.Tensor):
@@ -413,11 +423,11 @@ class ModelRunner:
                 hidden = self.graphs.run(input_ids, positions, context)
             else:
                 hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden) if any(batch.samples) else None
-        if self.rank > 0 and logits is None and any(batch.samples) and self.config.async_scheduling:
+            logits = self.model.compute_logits(hidden) if batch.samples.any() else None
+        if self.rank > 0 and logits is None and batch.samples.any() and self.config.async_scheduling:
             # rank 0's _share_sampled(): this step's tokens, the next step's input ids
             self.last_sampled = self.group.broadcast(
-                torch.empty(sum(batch.samples), dtype=torch.int64, device=self.device))
+                torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device))
         return logits
 
     def close(self):

@@ -2,18 +2,41 @@ from collections import deque
 from dataclasses import dataclass
 from time import perf_counter
 
+import numpy as np
+
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import (CAPACITY, COMPUTED, HASHED, LIMIT, NUM_TOKENS, PENDING, PROMPT, SCHEDULED,
+                                      SeqState, Sequence, SequenceStatus)
 
 
 @dataclass
 class ScheduledStep:
-    """A step on its way to the device: its sequences, each one's num_computed_tokens once the
-    step is done, and whether it samples a token in it."""
+    """A planned step, as arrays over its sequences (in order), read from their SeqState columns
+    when it was planned: what the runner needs to build the step's inputs, and what launched() and
+    complete() need to account for it, even after the sequences have moved on."""
     seqs: list[Sequence]
-    ends: list[int]
-    samples: list[bool]
+    cols: np.ndarray     # [B] their SeqState columns
+    gens: np.ndarray     # [B] those columns' generations (a finished sequence's column is reused)
+    starts: np.ndarray   # [B] position of the first token computed (num_computed_tokens)
+    num_new: np.ndarray  # [B] tokens computed (num_scheduled_tokens)
+    known: np.ndarray    # [B] tokens the host knew (num_tokens - num_pending): the others are pending
+    samples: np.ndarray  # [B] bool: the step ends its prefill or decodes, so it samples a token
+    state: SeqState
+
+    @property
+    def ends(self) -> np.ndarray:
+        return self.starts + self.num_new
+
+
+def plan_step(seqs: list[Sequence], state: SeqState, cols: np.ndarray | None = None) -> ScheduledStep:
+    """A step of these sequences (attached to state, num_scheduled_tokens set), as arrays."""
+    if cols is None:
+        cols = np.array([seq._col for seq in seqs], dtype=np.int64)
+    ints = state.ints[:, cols]  # [NUM_INTS, B]: one gather
+    starts, num_new = ints[COMPUTED], ints[SCHEDULED]
+    return ScheduledStep(seqs, cols, state.gen[cols], starts, num_new, ints[NUM_TOKENS] - ints[PENDING],
+                         starts + num_new == ints[NUM_TOKENS], state)
 
 
 class Scheduler:
@@ -25,6 +48,10 @@ class Scheduler:
     prefilled in chunks over several steps. When a running sequence needs a block and none is
     free, the most recently admitted running sequence is preempted: its blocks are freed and it
     returns to the front of the waiting queue, to be recomputed (its cached blocks may revive).
+
+    The counters of every sequence it holds live in `state` (a SeqState, one column each), so the
+    running sequences are scheduled, launched and completed by vectorized operations; Python
+    loops only over the few that need more (a new block, a published block, a stop token).
     """
 
     def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
@@ -36,6 +63,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.state = SeqState()
+        self.forking: dict[int, Sequence] = {}  # seq_id -> a sequence whose forks are not queued yet
+        self.stop_ids = np.zeros(0, dtype=np.int64)  # every stop id of any sequence received (a filter)
+        self._running_cols: tuple[list[Sequence], np.ndarray] | None = None  # (running, their columns)
+        self._planned: tuple[list[Sequence], np.ndarray] | None = None       # schedule()'s last answer
 
     def add(self, seq: Sequence):
         for s in [seq, *seq.forks]:
@@ -43,29 +75,103 @@ class Scheduler:
             if not s.sampling_params.ignore_eos:
                 s.stop_ids |= self.eos_token_ids
             s.token_limit = min(s.token_limit, self.max_model_len)
+            self.state.attach(s)
+            if not set(self.stop_ids.tolist()) >= s.stop_ids:
+                self.stop_ids = np.array(sorted(set(self.stop_ids.tolist()) | s.stop_ids), dtype=np.int64)
+        if seq.forks:
+            self.forking[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
+    def _cols_of_running(self) -> np.ndarray:
+        """The running sequences' columns, [len(running)] (kept while `running` is unchanged)."""
+        if self._running_cols is None:
+            self._running_cols = np.fromiter((seq._col for seq in self.running), dtype=np.int64,
+                                             count=len(self.running))
+        return self._running_cols
+
     def schedule(self) -> list[Sequence]:
         """Pick this step's sequences and set each one's num_scheduled_tokens."""
+        scheduled, cols, budget = self._schedule_running_vectorized()
+        victims = []
+        if scheduled is None:
+            scheduled, budget, victims = self._schedule_running()
+            cols = None
+        # A victim preempted in this step is first in line: it waits for the next step (by then a
+        # token it had in flight has arrived, and the runner has dropped its old block table), and
+        # so does everyone behind it.
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending or seq.status is SequenceStatus.PREEMPTED or not self.block_manager.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            self.running.append(seq)
+            self._running_cols = None
+            admitted.append(seq)
+        if cols is not None:
+            cols = np.concatenate([cols, np.array([seq._col for seq in admitted], dtype=np.int64)])
+        else:
+            cols = np.array([seq._col for seq in scheduled + admitted], dtype=np.int64)
+        scheduled += admitted
+        self._planned = (scheduled, cols)
+        for seq in victims:
+            seq.status = SequenceStatus.WAITING
+        return scheduled
+
+    def _schedule_running_vectorized(self):
+        """The running sequences' share of the step, computed over their columns at once; returns
+        (scheduled, their columns, budget left), or (None, None, None) when a sequence needs a
+        block and none is free (the general loop then preempts)."""
+        running, budget = self.running, self.max_num_batched_tokens
+        if not running:
+            return [], np.zeros(0, dtype=np.int64), budget
+        cols = self._cols_of_running()
+        ints = self.state.ints
+        num_tokens, computed = ints[NUM_TOKENS, cols], ints[COMPUTED, cols]
+        n = num_tokens - computed
+        n[num_tokens >= ints[LIMIT, cols]] = 0  # their last token is still in flight (overlap scheduling)
+        used = np.cumsum(n)
+        if used[-1] > budget:  # the budget runs out at sequence k: it gets what is left, later ones nothing
+            k = int(np.searchsorted(used, budget, side="right"))
+            n[k] = budget - (used[k - 1] if k else 0)
+            n[k + 1:] = 0
+        ends = computed + n
+        for i in np.flatnonzero(ends > ints[CAPACITY, cols]).tolist():  # they need a block (grow them in order)
+            if not self.block_manager.grow(running[i], int(ends[i])):
+                return None, None, None
+        ints[SCHEDULED, cols] = n
+        chosen = np.flatnonzero(n)
+        if len(chosen) == len(running):
+            return list(running), cols, budget - int(n.sum())
+        return [running[i] for i in chosen.tolist()], cols[chosen], budget - int(n.sum())
+
+    def _schedule_running(self) -> tuple[list[Sequence], int, list[Sequence]]:
+        """The running sequences' share of the step, one at a time, preempting when out of blocks.
+        Returns them, the budget left and the sequences preempted."""
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
-        block_size = self.block_manager.block_size
+        victims: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_tokens >= seq.token_limit:  # its last token is still in flight (overlap scheduling)
+                seq.num_scheduled_tokens = 0
                 i += 1
                 continue
             computed = seq.num_computed_tokens
             num_tokens = min(seq.num_tokens - computed, budget)
-            # (most steps need no new block: skip the block manager then)
-            while (computed + num_tokens > len(seq.block_table) * block_size
+            while (computed + num_tokens > seq.block_capacity
                    and not self.block_manager.grow(seq, computed + num_tokens)):
                 victim = self.running.pop()  # the most recently admitted; never one already scheduled
+                self._running_cols = None
                 self._preempt(victim)
+                victims.append(victim)
                 if victim is seq:
                     break
             else:
@@ -73,114 +179,116 @@ class Scheduler:
                 budget -= num_tokens
                 scheduled.append(seq)
                 i += 1
-        # A victim just preempted is first in line, and may have a token still in flight (overlap
-        # scheduling): it waits for that token, and so does everyone behind it.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending or not self.block_manager.allocate(seq):
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled
+        for seq in self.running[i:]:
+            seq.num_scheduled_tokens = 0
+        return scheduled, budget, victims
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free_blocks(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = SequenceStatus.PREEMPTED  # WAITING once this step is planned
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)  # victims are popped newest first, so admission order survives
         self.num_preemptions += 1
 
-    def launched(self, seqs: list[Sequence]) -> ScheduledStep:
-        """The scheduled step is on its way to the device: advance each sequence past it. Its
+    def plan(self, seqs: list[Sequence]) -> ScheduledStep:
+        """The step schedule() just returned, as arrays (see ScheduledStep)."""
+        cols = self._planned[1] if self._planned is not None and self._planned[0] is seqs else None
+        return plan_step(seqs, self.state, cols)
+
+    def launched(self, step: ScheduledStep) -> ScheduledStep:
+        """The planned step is on its way to the device: advance its sequences past it. Its
         scheduled tokens count as computed (the next step may build on them), and a sequence that
         samples gets a pending token, whose id complete() fills in."""
-        ends, samples = [], []
-        block_size = self.block_manager.block_size
-        for seq in seqs:
-            end = seq.num_computed_tokens + seq.num_scheduled_tokens
-            sample = end == seq.num_tokens
+        ints, cols, ends = self.state.ints, step.cols, step.ends
+        ints[COMPUTED, cols] = ends
+        ints[SCHEDULED, cols] = 0
+        sampling = cols[step.samples]
+        ints[PENDING, sampling] += 1
+        ints[NUM_TOKENS, sampling] += 1
+        if self.block_manager.enable_prefix_caching:
             # Publish the blocks the step fills whose tokens the host knows (a decode of a pending
             # token publishes its block in complete()): the next step, scheduled before this one
             # is accounted for, can then find them. Whoever reads them runs after this step.
-            num_hashed = len(seq.block_hashes)
-            if end >= (num_hashed + 1) * block_size and min(end, len(seq.token_ids)) // block_size > num_hashed:
-                self.block_manager.cache_full_blocks(seq, min(end, len(seq.token_ids)))
-            seq.num_computed_tokens, seq.num_scheduled_tokens = end, 0
-            if sample:
-                seq.num_pending += 1
-                seq.num_tokens += 1
-                if seq.forks:  # the prompt is computed: the other samples now find its blocks cached
-                    self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))
-                    seq.forks = []
-            ends.append(end)
-            samples.append(sample)
-        return ScheduledStep(seqs, ends, samples)
+            known = np.minimum(ends, step.known)
+            for i in np.flatnonzero(known // self.block_manager.block_size > ints[HASHED, cols]).tolist():
+                self.block_manager.cache_full_blocks(step.seqs[i], int(known[i]))
+        if self.forking:  # a prompt is computed: the other samples now find its blocks cached
+            for seq in [seq for seq in self.forking.values() if seq.num_tokens > seq.num_prompt_tokens]:
+                del self.forking[seq.seq_id]
+                self.waiting.extendleft(reversed([fork for fork in seq.forks if not fork.is_finished]))
+                seq.forks = []
+        return step
 
     def complete(self, step: ScheduledStep, sampled: list[int], logprobs: list[dict] | None = None
                  ) -> list[Sequence]:
         """Account for a launched step whose results are in: `sampled` holds one token per
-        sequence that sampled, in order (and `logprobs` their logprob dicts). Publishes the blocks
-        the step filled, appends the tokens, checks the stop conditions. Returns the sequences that
+        sequence that sampled, in order (and `logprobs` their logprob dicts). Appends the tokens,
+        publishes the blocks they filled, checks the stop conditions. Returns the sequences that
         got a token. With overlap scheduling the next step may already be running: a sequence
         that finished meanwhile (a stop, an abort) may have sampled once more there, and that
         token is dropped here, never returned."""
-        updated = []
-        now = perf_counter()
-        tokens = iter(sampled)
-        entries = iter(logprobs) if logprobs is not None else None
-        block_size = self.block_manager.block_size
-        running, finished = SequenceStatus.RUNNING, SequenceStatus.FINISHED
-        for seq, end, sample in zip(step.seqs, step.ends, step.samples):
-            if sample:
-                token = next(tokens)
-                entry = next(entries) if entries is not None else None
-            if seq.status is finished:  # its blocks are freed already; a token sampled past its end is dropped
-                continue
-            # a block filled by a pending token: publish it (a preempted sequence holds no blocks)
-            if end // block_size > len(seq.block_hashes) and seq.status is running:
-                self.block_manager.cache_full_blocks(seq, end)
-            if not sample:
-                continue
-            seq.num_pending -= 1
+        assert len(sampled) == int(step.samples.sum()), "one sampled token per sampling sequence"
+        state, seqs = self.state, step.seqs
+        alive = state.gen[step.cols] == step.gens     # [B] False: finished since (its column was given back)
+        rows = np.flatnonzero(step.samples)           # [S] the sampling rows, in the order of `sampled`
+        keep = alive[rows]
+        rows, cols = rows[keep], step.cols[rows[keep]]
+        tokens = sampled if keep.all() else [t for t, k in zip(sampled, keep.tolist()) if k]
+        updated = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows.tolist()]
+        for seq, token in zip(updated, tokens):
             seq.token_ids.append(token)
-            if entries is not None and seq.logprobs is not None:
-                seq.logprobs.append(entry)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            updated.append(seq)
-            if token in seq.stop_ids:
-                params = seq.sampling_params
-                if len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
-                    seq.finish_reason = "stop"
-                    seq.stop_reason = token if token in params.stop_token_ids else None
-                    self.finish(seq)
-                    continue
-            if len(seq.token_ids) >= seq.token_limit:
+        state.ints[PENDING, cols] -= 1
+        if logprobs is not None:
+            for seq, entry in zip(updated, [e for e, k in zip(logprobs, keep.tolist()) if k]):
+                if seq.logprobs is not None:
+                    seq.logprobs.append(entry)
+        now = perf_counter()
+        for i in np.flatnonzero(step.starts[rows] < state.ints[PROMPT, cols]).tolist():  # prefills that ended
+            if updated[i].first_token_time is None:
+                updated[i].first_token_time = now
+        ints = state.ints[:, cols]
+        if self.block_manager.enable_prefix_caching:  # blocks filled by a pending token (a preempted one holds none)
+            ends = step.ends[rows]
+            for i in np.flatnonzero(ends // self.block_manager.block_size > ints[HASHED]).tolist():
+                if updated[i].status is SequenceStatus.RUNNING:
+                    self.block_manager.cache_full_blocks(updated[i], int(ends[i]))
+        token_array = np.array(tokens, dtype=np.int64)
+        known = ints[NUM_TOKENS] - ints[PENDING]
+        for i in np.flatnonzero(np.isin(token_array, self.stop_ids) | (known >= ints[LIMIT])).tolist():
+            seq, token = updated[i], tokens[i]
+            params = seq.sampling_params
+            if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
+                seq.finish_reason = "stop"
+                seq.stop_reason = token if token in params.stop_token_ids else None
+            elif len(seq.token_ids) >= seq.token_limit:
                 seq.finish_reason = "length"
-                self.finish(seq)
-        assert next(tokens, None) is None, "more sampled tokens than sampling sequences"
+            else:
+                continue
+            self.finish(seq)
         return updated
 
     def postprocess(self, seqs: list[Sequence], sampled: list[int], logprobs: list[dict] | None = None
                     ) -> list[Sequence]:
-        """launched() and complete() at once: the synchronous loop's bookkeeping after a step.
-        Returns the sequences that finished."""
-        updated = self.complete(self.launched(seqs), sampled, logprobs)
+        """plan(), launched() and complete() at once: the synchronous loop's bookkeeping after a
+        step. Returns the sequences that finished."""
+        updated = self.complete(self.launched(self.plan(seqs)), sampled, logprobs)
         return [seq for seq in updated if seq.is_finished]
 
     def finish(self, seq: Sequence):
         """Release a sequence from whichever queue holds it (also used to abort a request)."""
         for fork in seq.forks:  # samples not queued yet (the prompt never finished computing)
             fork.status, fork.finish_reason, fork.finish_time = SequenceStatus.FINISHED, seq.finish_reason, perf_counter()
+            if fork._state is not None:
+                self.state.detach(fork)
         seq.forks = []
+        self.forking.pop(seq.seq_id, None)
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._running_cols = None
             self.block_manager.free_blocks(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:  # (a fork may not be queued yet)
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = perf_counter()
+        if seq._state is not None:
+            self.state.detach(seq)

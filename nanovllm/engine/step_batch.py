@@ -3,7 +3,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.scheduler import ScheduledStep
+from nanovllm.engine.sequence import CAPACITY, SEQ_ID
 
 
 @dataclass
@@ -18,14 +19,14 @@ class StepBatch:
     tables travel as changes to each rank's copy (`BlockTables`).
     """
     seq_ids: list[int]
-    starts: list[int]
-    num_new: list[int]
-    token_ids: list[int]
-    samples: list[bool]
+    starts: np.ndarray     # [B] int32 (int32 throughout: the message to the other ranks stays small)
+    num_new: np.ndarray    # [B] int32
+    token_ids: np.ndarray  # [T] int32
+    samples: np.ndarray    # [B] bool
     table_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (seq_id, offset, blocks)
     forget: list[int] = field(default_factory=list)  # sequences no longer scheduled
-    # [indices in token_ids..., then the rows of the last step's sampled tokens they take, in order]
-    from_last_step: list[int] = field(default_factory=list)
+    # [2P] int32: P indices into token_ids, then the rows of the last step's sampled tokens they take
+    from_last_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
 
 class BlockTables:
@@ -36,19 +37,18 @@ class BlockTables:
     every rank assigns the same), its new blocks are appended as it grows, and its row is freed
     when a step no longer schedules it. A step's block tables are then one gather of rows.
 
-    Rank 0 encodes each step as changes against its copy; the other ranks apply them. A table
-    only grows in place while its sequence holds its blocks (BlockManager.grow extends the list);
-    after preemption the sequence gets a new list object, so `is` tells a grown table from a new one.
+    Rank 0 encodes each step as changes against its copy (a row whose length in blocks differs
+    from its sequence's block_capacity); the other ranks apply them.
     """
 
-    def __init__(self, max_rows: int, max_blocks_per_seq: int):
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, block_size: int):
+        self.block_size = block_size
         self.tables = np.full((max_rows, max_blocks_per_seq), -1, dtype=np.int32)
         self.rows: dict[int, int] = {}                     # seq_id -> row
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # blocks known per row
         self.free_rows = list(range(max_rows))             # a heap: the lowest free row first
         self._rows_of: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
-        self.known: dict[int, tuple[list[int], int]] = {}  # rank 0: seq_id -> (its table list, length) last sent
-        self.sampled_rows: dict[int, int] = {}  # rank 0: seq_id -> its row of the last step's sampled tokens
+        self.sample_rows = np.zeros(max_rows, dtype=np.int64)  # rank 0: row -> its index in the last step's samples
 
     def __getitem__(self, seq_id: int) -> list[int]:
         row = self.rows[seq_id]
@@ -69,43 +69,46 @@ class BlockTables:
     def _forget(self, seq_ids):
         for seq_id in seq_ids:
             heapq.heappush(self.free_rows, self.rows.pop(seq_id))
-            self.known.pop(seq_id, None)
 
-    def encode(self, seqs: list[Sequence]) -> StepBatch:
+    def encode(self, step: ScheduledStep) -> StepBatch:
         """This step's message (rank 0), applying its table changes to this copy on the way."""
-        seq_ids = [seq.seq_id for seq in seqs]
+        seqs, bs = step.seqs, self.block_size
+        seq_ids = step.state.ints[SEQ_ID, step.cols].tolist()
         if len(self.rows) != len(seq_ids) or not self.rows.keys() >= set(seq_ids):  # (most steps: the same set)
             scheduled = set(seq_ids)
             forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
             self._forget(forget)
+            for seq_id in seq_ids:
+                self._row(seq_id)
         else:
             forget = []
-        updates, token_ids, starts, num_new, samples, from_last, from_rows = [], [], [], [], [], [], []
-        last_rows, sampling = self.sampled_rows, []
-        known_tables = self.known
-        for seq in seqs:
-            table, known = seq.block_table, known_tables.get(seq.seq_id)
-            if known is None or known[0] is not table or len(table) != known[1]:
-                offset = known[1] if known is not None and known[0] is table else 0
-                known_tables[seq.seq_id] = (table, len(table))
-                updates.append((seq.seq_id, offset, table[offset:]))
-                self._write(seq.seq_id, offset, table[offset:])
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            if start == len(seq.token_ids):  # a decode of the token the last step sampled, unread
-                from_last.append(len(token_ids))
-                from_rows.append(last_rows[seq.seq_id])
-                token_ids.append(0)
-            else:
-                token_ids += seq.token_ids[start:start + n]
-            starts.append(start)
-            num_new.append(n)
-            sample = start + n == seq.num_tokens  # the step ends its prefill, or decodes
-            samples.append(sample)
-            if sample:
-                sampling.append(seq.seq_id)
-        self.sampled_rows = dict(zip(sampling, range(len(sampling))))
-        return StepBatch(seq_ids=seq_ids, starts=starts, num_new=num_new, token_ids=token_ids,
-                         samples=samples, table_updates=updates, forget=forget, from_last_step=from_last + from_rows)
+        rows = self.rows_of(seq_ids)
+        # A table changes only by growing while its sequence holds its blocks: after preemption the
+        # sequence is not scheduled for a step, so its row is forgotten and a new one written whole.
+        updates = []
+        num_blocks = step.state.ints[CAPACITY, step.cols] // bs
+        for i in np.flatnonzero(self.lengths[rows] != num_blocks).tolist():
+            table, offset = seqs[i].block_table, int(self.lengths[rows[i]])
+            updates.append((seq_ids[i], offset, table[offset:]))
+            self._write(seq_ids[i], offset, table[offset:])
+        # The new tokens: a decode of a token the last step sampled (not read yet) takes it from
+        # that step's sampled tokens on the device; the others are known here.
+        pending = step.starts == step.known
+        num_seqs = len(seqs)
+        if pending.all():  # overlap scheduling's steady state: every row decodes its pending token
+            token_ids = np.zeros(num_seqs, dtype=np.int32)
+            dst = np.arange(num_seqs)
+        else:
+            parts, starts, num_new = [], step.starts.tolist(), step.num_new.tolist()
+            for seq, start, n, p in zip(seqs, starts, num_new, pending.tolist()):
+                parts.append([0] if p else seq.token_ids[start:start + n])
+            token_ids = np.array([t for part in parts for t in part], dtype=np.int32)
+            dst = (np.cumsum(step.num_new) - 1)[pending]
+        from_last = np.concatenate([dst, self.sample_rows[rows[pending]]]).astype(np.int32)
+        self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
+        return StepBatch(seq_ids=seq_ids, starts=step.starts.astype(np.int32), num_new=step.num_new.astype(np.int32),
+                         token_ids=token_ids, samples=step.samples, table_updates=updates, forget=forget,
+                         from_last_step=from_last)
 
     def apply(self, batch: StepBatch):
         """Another rank: the same changes, in the same order, so rows and tables match rank 0's."""
