@@ -14,6 +14,7 @@ from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams, is_integer
 
+SEQ_ID_OF, TOKEN_IDS_OF = operator.attrgetter("seq_id"), operator.attrgetter("token_ids")
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -177,9 +178,8 @@ class LLMEngine:
         model_s = perf_counter() - wait_start + (launched.launch_s if launched is not None else 0.0)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         self.changes += bool(updated)
-        for seq in updated:
-            if seq.detokenizer is not None:
-                self._update_text(seq)
+        for seq in done.step.with_text:
+            self._update_text(seq)
         kind = "decode" if done.num_tokens == len(done.step.seqs) else "prefill"
         self.counters[f"{kind}_tokens"] += done.num_tokens
         step_s = perf_counter() - start
@@ -279,8 +279,7 @@ class LLMEngine:
                     news = [seq for seq in updated if seq.seq_id in seen]
                     if not news:
                         continue
-                for seq in news:
-                    seen[seq.seq_id] = len(seq.token_ids)
+                seen.update(zip(map(SEQ_ID_OF, news), map(len, map(TOKEN_IDS_OF, news))))
                 num_pending = len(pending)
                 pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
                 if bar is not None:

@@ -1,13 +1,13 @@
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 
 import numpy as np
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import (CAPACITY, COMPUTED, HASHED, LIMIT, NUM_TOKENS, PENDING, PROMPT, SCHEDULED,
-                                      SeqState, Sequence, SequenceStatus)
+from nanovllm.engine.sequence import (CAPACITY, COMPUTED, FLAGS, HASHED, LIMIT, NEEDS_TEXT, NUM_TOKENS, PENDING,
+                                      PROMPT, SCHEDULED, SeqState, Sequence, SequenceStatus)
 
 
 @dataclass
@@ -23,6 +23,7 @@ class ScheduledStep:
     known: np.ndarray    # [B] tokens the host knew (num_tokens - num_pending): the others are pending
     samples: np.ndarray  # [B] bool: the step ends its prefill or decodes, so it samples a token
     state: SeqState
+    with_text: list[Sequence] = field(default_factory=list)  # complete(): those updated that need their text
 
     @property
     def ends(self) -> np.ndarray:
@@ -65,7 +66,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.state = SeqState()
         self.forking: dict[int, Sequence] = {}  # seq_id -> a sequence whose forks are not queued yet
-        self.stop_ids = np.zeros(0, dtype=np.int64)  # every stop id of any sequence received (a filter)
+        self.stop_mask = np.zeros(1, dtype=bool)  # [max id + 1]: the stop ids of any sequence received (a filter)
         self._running_cols: tuple[list[Sequence], np.ndarray] | None = None  # (running, their columns)
         self._planned: tuple[list[Sequence], np.ndarray] | None = None       # schedule()'s last answer
 
@@ -76,8 +77,9 @@ class Scheduler:
                 s.stop_ids |= self.eos_token_ids
             s.token_limit = min(s.token_limit, self.max_model_len)
             self.state.attach(s)
-            if not set(self.stop_ids.tolist()) >= s.stop_ids:
-                self.stop_ids = np.array(sorted(set(self.stop_ids.tolist()) | s.stop_ids), dtype=np.int64)
+            if s.stop_ids and max(s.stop_ids) >= len(self.stop_mask):
+                self.stop_mask = np.concatenate([self.stop_mask, np.zeros(max(s.stop_ids) + 1 - len(self.stop_mask), bool)])
+            self.stop_mask[list(s.stop_ids)] = True
         if seq.forks:
             self.forking[seq.seq_id] = seq
         self.waiting.append(seq)
@@ -227,34 +229,41 @@ class Scheduler:
         got a token. With overlap scheduling the next step may already be running: a sequence
         that finished meanwhile (a stop, an abort) may have sampled once more there, and that
         token is dropped here, never returned."""
-        assert len(sampled) == int(step.samples.sum()), "one sampled token per sampling sequence"
-        state, seqs = self.state, step.seqs
-        alive = state.gen[step.cols] == step.gens     # [B] False: finished since (its column was given back)
-        rows = np.flatnonzero(step.samples)           # [S] the sampling rows, in the order of `sampled`
-        keep = alive[rows]
-        rows, cols = rows[keep], step.cols[rows[keep]]
-        tokens = sampled if keep.all() else [t for t, k in zip(sampled, keep.tolist()) if k]
-        updated = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows.tolist()]
+        state, seqs, cols = self.state, step.seqs, step.cols
+        if len(sampled) == len(seqs) and (state.gen[cols] == step.gens).all():  # (most steps: all sample, none ended)
+            updated, tokens, entries = seqs, sampled, logprobs
+        else:  # drop the rows that did not sample, and those that finished since (their column was given back)
+            rows = np.flatnonzero(step.samples)    # [S] the sampling rows, in the order of `sampled`
+            assert len(rows) == len(sampled), "one sampled token per sampling sequence"
+            keep = (state.gen[cols[rows]] == step.gens[rows]).tolist()
+            rows = rows[keep]
+            cols = cols[rows]
+            updated = [seqs[i] for i in rows.tolist()]
+            tokens = [t for t, k in zip(sampled, keep) if k]
+            entries = [e for e, k in zip(logprobs, keep) if k] if logprobs is not None else None
         for seq, token in zip(updated, tokens):
             seq.token_ids.append(token)
         state.ints[PENDING, cols] -= 1
-        if logprobs is not None:
-            for seq, entry in zip(updated, [e for e, k in zip(logprobs, keep.tolist()) if k]):
+        if entries is not None:
+            for seq, entry in zip(updated, entries):
                 if seq.logprobs is not None:
                     seq.logprobs.append(entry)
+        ints = state.ints[:, cols]  # [NUM_INTS, S] after the tokens
         now = perf_counter()
-        for i in np.flatnonzero(step.starts[rows] < state.ints[PROMPT, cols]).tolist():  # prefills that ended
+        starts = step.starts if len(updated) == len(seqs) else step.starts[rows]
+        for i in np.flatnonzero(starts < ints[PROMPT]).tolist():  # its prefill ended: the first token
             if updated[i].first_token_time is None:
                 updated[i].first_token_time = now
-        ints = state.ints[:, cols]
         if self.block_manager.enable_prefix_caching:  # blocks filled by a pending token (a preempted one holds none)
-            ends = step.ends[rows]
+            ends = starts + (step.num_new if len(updated) == len(seqs) else step.num_new[rows])
             for i in np.flatnonzero(ends // self.block_manager.block_size > ints[HASHED]).tolist():
                 if updated[i].status is SequenceStatus.RUNNING:
                     self.block_manager.cache_full_blocks(updated[i], int(ends[i]))
+        step.with_text = [updated[i] for i in np.flatnonzero(ints[FLAGS] & NEEDS_TEXT).tolist()]
         token_array = np.array(tokens, dtype=np.int64)
-        known = ints[NUM_TOKENS] - ints[PENDING]
-        for i in np.flatnonzero(np.isin(token_array, self.stop_ids) | (known >= ints[LIMIT])).tolist():
+        mask = self.stop_mask  # [max stop id + 1] bool
+        may_stop = mask[np.minimum(token_array, len(mask) - 1)] & (token_array < len(mask))
+        for i in np.flatnonzero(may_stop | (ints[NUM_TOKENS] - ints[PENDING] >= ints[LIMIT])).tolist():
             seq, token = updated[i], tokens[i]
             params = seq.sampling_params
             if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:

@@ -21,7 +21,7 @@ NUM_COUNTERS = 7
 PROMPT, SEED, TOP_K, MIN_TOKENS, LOGPROBS, FLAGS, SEQ_ID = range(NUM_COUNTERS, NUM_COUNTERS + 7)
 NUM_INTS = NUM_COUNTERS + 7
 # Bits of ints[FLAGS]: which parts of the sampler a sequence needs (a batch ORs them).
-RANDOM, FILTERS, USES_MIN_P, PENALIZED, HAS_MIN_TOKENS, WANTS_LOGPROBS = (1 << i for i in range(6))
+RANDOM, FILTERS, USES_MIN_P, PENALIZED, HAS_MIN_TOKENS, WANTS_LOGPROBS, NEEDS_TEXT = (1 << i for i in range(7))
 # Rows of SeqState.floats: the float sampling parameters.
 TEMPERATURE, TOP_P, MIN_P, PRESENCE, FREQUENCY, REPETITION = range(6)
 
@@ -57,7 +57,8 @@ class SeqState:
         p = seq.sampling_params
         flags = ((RANDOM if p.temperature > 0 else 0) | (FILTERS if p.top_k > 0 or p.top_p < 1 else 0)
                  | (USES_MIN_P if p.min_p > 0 else 0) | (PENALIZED if p.has_penalties else 0)
-                 | (HAS_MIN_TOKENS if p.min_tokens else 0) | (WANTS_LOGPROBS if p.logprobs is not None else 0))
+                 | (HAS_MIN_TOKENS if p.min_tokens else 0) | (WANTS_LOGPROBS if p.logprobs is not None else 0)
+                 | (NEEDS_TEXT if seq.detokenizer is not None else 0))
         self.ints[:NUM_COUNTERS, col] = seq._counters
         self.ints[NUM_COUNTERS:, col] = (seq.num_prompt_tokens, seq.seed, p.top_k, p.min_tokens,
                                          -1 if p.logprobs is None else p.logprobs, flags, seq.seq_id)

@@ -74,7 +74,7 @@ class BlockTables:
         """This step's message (rank 0), applying its table changes to this copy on the way."""
         seqs, bs = step.seqs, self.block_size
         seq_ids = step.state.ints[SEQ_ID, step.cols].tolist()
-        if len(self.rows) != len(seq_ids) or not self.rows.keys() >= set(seq_ids):  # (most steps: the same set)
+        if seq_ids != self._rows_of[0] and (len(self.rows) != len(seq_ids) or not self.rows.keys() >= set(seq_ids)):
             scheduled = set(seq_ids)
             forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
             self._forget(forget)
