@@ -12,11 +12,8 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
     mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parent blocks).
     """
-    h = xxhash.xxh64()
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
-    return h.intdigest()
+    data = array("q", token_ids).tobytes()
+    return xxhash.xxh64_intdigest(data if prev_hash is None else prev_hash.to_bytes(8, "little") + data)
 
 
 class Block:
@@ -129,12 +126,15 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table cover its first num_tokens tokens; False (changing nothing) if
         too few blocks are free."""
-        num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
+        table = seq.block_table
+        num_new = -(-num_tokens // self.block_size) - len(table)
         if num_new > len(self.free):
             return False
-        seq.block_table.extend(self._take_free_block() for _ in range(num_new))
-        seq.block_capacity = len(seq.block_table) * self.block_size
-        self._note_usage()
+        for _ in range(num_new):
+            table.append(self._take_free_block())
+        seq.block_capacity = len(table) * self.block_size
+        if len(self.blocks) - len(self.free) > self.peak_used_blocks:
+            self.peak_used_blocks = len(self.blocks) - len(self.free)
         return True
 
     def _note_usage(self):
@@ -148,10 +148,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_computed = seq.num_computed_tokens if num_computed is None else num_computed
-        for i in range(len(seq.block_hashes), num_computed // self.block_size):
-            tokens = seq.block_tokens(i, self.block_size)
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
-            seq.block_hashes.append(h)
+        bs, hashes = self.block_size, seq.block_hashes
+        for i in range(len(hashes), num_computed // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = chain_hash(hashes[-1] if hashes else None, tokens)
+            hashes.append(h)
             if h in self.hash_to_block:  # an equal block is published already (computed alongside): keep it
                 continue
             block = self.blocks[seq.block_table[i]]

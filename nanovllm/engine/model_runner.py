@@ -124,7 +124,7 @@ class ModelRunner:
             layer.backend = backend
         self.sampler = Sampler()
         self.last_sampled: torch.Tensor | None = None  # [S] the last step's sampled tokens, on the device
-        self.identity = np.arange(config.max_num_seqs)  # (prepare() compares with it)
+        self.arange = np.arange(config.max_num_seqs + 1)  # (read-only: prepare() slices it)
         # (a function of its own, not the bound self._to_device: that would make a reference cycle
         # runner -> history -> runner, keeping the model alive after `del llm` until gc runs)
         self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len,
@@ -255,10 +255,11 @@ class ModelRunner:
         starts = batch.starts.astype(np.int64)                                       # [B]
         rows = self.tables.rows_of(batch.seq_ids)                                    # [B]
         decode_only = len(batch.token_ids) == num_seqs  # (every sequence has at least one new token)
-        cu_q = np.arange(num_seqs + 1, dtype=np.int64)                               # [B+1]
         if decode_only:
+            cu_q = self.arange[:num_seqs + 1]                                        # [B+1]
             num_new, positions, seq_rows, samples = 1, starts, rows, None            # [T] = [B]
         else:
+            cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
             num_new = batch.num_new.astype(np.int64)                                 # [B]
             np.cumsum(num_new, out=cu_q[1:])
             seq_of_token = np.repeat(np.arange(num_seqs), num_new)                   # [T]
@@ -269,7 +270,7 @@ class ModelRunner:
         max_len_k = int(lens_k.max())
         has_context = bool(starts.any())  # some sequence attends to cached K/V: pass block tables
         width = -(-max_len_k // bs) if has_context else 0
-        logits_indices = cu_q[1:] - 1 if samples is None else (cu_q[1:] - 1)[samples]  # [S]
+        logits_indices = self.arange[:num_seqs] if samples is None else (cu_q[1:] - 1)[samples]  # [S]
         cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(lens_k, out=cu_k[1:])                                              # [B+1]
         # int64 parts, then the int32 ones (converted on the device in one op)
@@ -277,7 +278,7 @@ class ModelRunner:
         # A decode step whose every input token is the last step's sampled one, in the same order
         # (overlap scheduling's steady state): the input ids are that tensor itself.
         feeds_back = (decode_only and num_from_last == num_seqs
-                      and (batch.from_last_step[num_seqs:] == self.identity[:num_seqs]).all())
+                      and (batch.from_last_step[num_seqs:] == self.arange[:num_seqs]).all())
         parts = [positions, slot_mapping, logits_indices]
         if not feeds_back:
             parts.insert(0, batch.token_ids)

@@ -85,12 +85,17 @@ class BlockTables:
         rows = self.rows_of(seq_ids)
         # A table changes only by growing while its sequence holds its blocks: after preemption the
         # sequence is not scheduled for a step, so its row is forgotten and a new one written whole.
-        updates = []
         num_blocks = step.state.ints[CAPACITY, step.cols] // bs
-        for i in np.flatnonzero(self.lengths[rows] != num_blocks).tolist():
-            table, offset = seqs[i].block_table, int(self.lengths[rows[i]])
-            updates.append((seq_ids[i], offset, table[offset:]))
-            self._write(seq_ids[i], offset, table[offset:])
+        changed = np.flatnonzero(self.lengths[rows] != num_blocks)
+        offsets = self.lengths[rows[changed]]
+        updates = [(seq_ids[i], offset, seqs[i].block_table[offset:])
+                   for i, offset in zip(changed.tolist(), offsets.tolist())]
+        if len(changed) and (num_blocks[changed] - offsets == 1).all():  # (most steps: one new block each)
+            self.tables[rows[changed], offsets] = [blocks[0] for _, _, blocks in updates]
+            self.lengths[rows[changed]] += 1
+        else:
+            for seq_id, offset, blocks in updates:
+                self._write(seq_id, offset, blocks)
         # The new tokens: a decode of a token the last step sampled (not read yet) takes it from
         # that step's sampled tokens on the device; the others are known here.
         pending = step.starts == step.known
