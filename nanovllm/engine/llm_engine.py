@@ -176,7 +176,7 @@ class LLMEngine:
         wait_start = perf_counter()
         tokens, logprobs = done.sampled.result()
         model_s = perf_counter() - wait_start + (launched.launch_s if launched is not None else 0.0)
-        updated = self.scheduler.complete(done.step, tokens, logprobs)
+        updated = self.scheduler.complete(done.step, tokens, logprobs, done.sampled.array)
         self.changes += bool(updated)
         for seq in done.step.with_text:
             self._update_text(seq)
@@ -262,6 +262,7 @@ class LLMEngine:
         seen = {seq.seq_id: len(seq.token_ids) for seq in seqs}  # tokens already reported, per sequence
         pending = list(seqs)                                      # not yet reported as finished
         read = -1  # the engine's self.changes when news was last read from all of pending
+        finished = -1  # the scheduler's num_finished when pending was last filtered
         try:
             while pending:
                 news = []
@@ -276,12 +277,14 @@ class LLMEngine:
                     # Only this step changed anything: its news is what it updated (the common case,
                     # read without going through every pending sequence).
                     read = self.changes
-                    news = [seq for seq in updated if seq.seq_id in seen]
+                    news = updated if updated == pending else [seq for seq in updated if seq.seq_id in seen]
                     if not news:
                         continue
                 seen.update(zip(map(SEQ_ID_OF, news), map(len, map(TOKEN_IDS_OF, news))))
                 num_pending = len(pending)
-                pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
+                if finished != self.scheduler.num_finished:  # (else none of pending can have finished)
+                    finished = self.scheduler.num_finished
+                    pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
                 if bar is not None:
                     c = self.counters
                     bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "

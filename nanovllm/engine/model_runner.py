@@ -46,6 +46,7 @@ class SampledTokens:
                  num_logprobs: list[int | None] | None = None):
         self.num_logprobs = num_logprobs  # per sampling sequence: its SamplingParams.logprobs
         self.event = None
+        self.array: np.ndarray | None = None  # result()'s tokens as an array
         if tokens is not None and tokens.is_cuda:  # (a CUDA->CPU non_blocking copy lands in pinned memory)
             tokens = tokens.to("cpu", non_blocking=True)
             logprobs = tuple(t.to("cpu", non_blocking=True) if t is not None else None
@@ -61,7 +62,8 @@ class SampledTokens:
             return [], None
         if self.event is not None:
             self.event.synchronize()
-        tokens = self.tokens.tolist()
+        self.array = self.tokens.numpy()
+        tokens = self.array.tolist()
         if self.logprobs is None:
             return tokens, None
         chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs)
@@ -266,13 +268,17 @@ class ModelRunner:
             positions = starts[seq_of_token] + np.arange(len(seq_of_token)) - cu_q[:-1][seq_of_token]
             seq_rows, samples = rows[seq_of_token], batch.samples
         lens_k = starts + num_new                                                    # [B]
-        slot_mapping = self.tables.tables[seq_rows, positions // bs] * bs + positions % bs  # [T]
+        block, offset = np.divmod(positions, bs)
+        slot_mapping = self.tables.tables[seq_rows, block] * bs + offset             # [T]
         max_len_k = int(lens_k.max())
-        has_context = bool(starts.any())  # some sequence attends to cached K/V: pass block tables
+        # some sequence attends to cached K/V: pass block tables
+        has_context = max_len_k > 1 if decode_only else bool(starts.any())
         width = -(-max_len_k // bs) if has_context else 0
         logits_indices = self.arange[:num_seqs] if samples is None else (cu_q[1:] - 1)[samples]  # [S]
-        cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(lens_k, out=cu_k[1:])                                              # [B+1]
+        cu_k = None  # [B+1], for the prefill kernels only
+        if not decode_only:
+            cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(lens_k, out=cu_k[1:])
         # int64 parts, then the int32 ones (converted on the device in one op)
         num_from_last = len(batch.from_last_step) // 2
         # A decode step whose every input token is the last step's sampled one, in the same order
@@ -285,7 +291,9 @@ class ModelRunner:
             if num_from_last:  # [2 * P]: indices in input_ids, then rows of last_sampled
                 parts.append(batch.from_last_step)
         num_int64 = len(parts)
-        parts += [cu_q, cu_k, lens_k, self.tables.tables[rows, :width].ravel()]       # ..., [B * W]
+        parts += [cu_q, lens_k, self.tables.tables[rows, :width].ravel()]             # ..., [B * W]
+        if cu_k is not None:
+            parts.append(cu_k)
         # Each part starts at a multiple of ALIGN elements: Triton specializes kernels on whether
         # a pointer is 16-byte aligned, so a view at an odd offset would compile another variant.
         offsets, end = [], 0
@@ -300,7 +308,7 @@ class ModelRunner:
         flat32 = flat[split:].int()
         views = [flat[o:o + len(p)] if i < num_int64 else flat32[o - split:o - split + len(p)]
                  for i, (p, o) in enumerate(zip(parts, offsets))]
-        cu_q_d, cu_k_d, lens_d, tables_d = views[num_int64:]
+        cu_q_d, lens_d, tables_d, *cu_k_d = views[num_int64:]
         if feeds_back:
             pos, slots, logits_d = views[:num_int64]
             input_ids = self.last_sampled[:num_seqs]
@@ -310,7 +318,7 @@ class ModelRunner:
                 dst, src = last[0].view(2, -1)
                 input_ids[dst] = self.last_sampled[src]
         context = Context(
-            cu_seqlens_q=cu_q_d, cu_seqlens_k=cu_k_d, seq_lens_k=lens_d,
+            cu_seqlens_q=cu_q_d, cu_seqlens_k=cu_k_d[0] if cu_k_d else None, seq_lens_k=lens_d,
             max_seqlen_q=1 if decode_only else int(num_new.max()), max_seqlen_k=max_len_k,
             slot_mapping=slots, block_tables=tables_d.view(num_seqs, width) if has_context else None,
             logits_indices=logits_d, decode_only=decode_only, cu_seqlens_q_cpu=cu_q.tolist(),
@@ -323,13 +331,12 @@ class ModelRunner:
         """Gather the sampling parameters of the step's sampling rows, written once per sequence
         in the scheduler's SeqState, into device tensors: one copy of the int rows and one of the
         float rows, each holding only what some row of the batch uses."""
-        cols = step.cols[step.samples]
-        state = step.state
-        needs = int(np.bitwise_or.reduce(state.ints[FLAGS, cols]))  # what any row of the batch needs
+        ints = step.ints if step.all_sample else step.ints[:, step.samples]  # [NUM_INTS, S]
+        needs = int(np.bitwise_or.reduce(ints[FLAGS]))  # what any row of the batch needs
         all_greedy = not needs & RANDOM
         filters, min_p, penalties = needs & FILTERS, needs & USES_MIN_P, needs & PENALIZED
-        ints = state.ints[:, cols] if needs else None  # [NUM_INTS, S]
-        floats = state.floats[:, cols] if needs & (RANDOM | FILTERS | USES_MIN_P | PENALIZED) else None  # [6, S]
+        if needs & (RANDOM | FILTERS | USES_MIN_P | PENALIZED):
+            floats = step.state.floats[:, step.cols if step.all_sample else step.cols[step.samples]]  # [6, S]
         int_rows, float_rows = [], []
         if not all_greedy:  # greedy rows use none of these: the sampler takes the argmax
             int_rows += [ints[SEED], step.ends[step.samples]]  # (the position of the token sampled)

@@ -1,5 +1,6 @@
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from time import perf_counter
 
 import numpy as np
@@ -10,6 +11,9 @@ from nanovllm.engine.sequence import (CAPACITY, COMPUTED, FLAGS, HASHED, LIMIT, 
                                       PROMPT, SCHEDULED, SeqState, Sequence, SequenceStatus)
 
 
+TOKEN_IDS_OF = attrgetter("token_ids")
+
+
 @dataclass
 class ScheduledStep:
     """A planned step, as arrays over its sequences (in order), read from their SeqState columns
@@ -18,26 +22,25 @@ class ScheduledStep:
     seqs: list[Sequence]
     cols: np.ndarray     # [B] their SeqState columns
     gens: np.ndarray     # [B] those columns' generations (a finished sequence's column is reused)
-    starts: np.ndarray   # [B] position of the first token computed (num_computed_tokens)
-    num_new: np.ndarray  # [B] tokens computed (num_scheduled_tokens)
-    known: np.ndarray    # [B] tokens the host knew (num_tokens - num_pending): the others are pending
-    samples: np.ndarray  # [B] bool: the step ends its prefill or decodes, so it samples a token
+    ints: np.ndarray     # [NUM_INTS, B] their columns of SeqState.ints when planned
     state: SeqState
     with_text: list[Sequence] = field(default_factory=list)  # complete(): those updated that need their text
 
-    @property
-    def ends(self) -> np.ndarray:
-        return self.starts + self.num_new
+    def __post_init__(self):
+        ints = self.ints
+        self.starts = ints[COMPUTED]                 # [B] position of the first token computed
+        self.num_new = ints[SCHEDULED]               # [B] tokens computed
+        self.ends = self.starts + self.num_new       # [B] num_computed_tokens once it is done
+        self.known = ints[NUM_TOKENS] - ints[PENDING]  # [B] tokens the host knew: the others are pending
+        self.samples = self.ends == ints[NUM_TOKENS]   # [B] it ends its prefill or decodes: it samples
+        self.all_sample = bool(self.samples.all())
 
 
 def plan_step(seqs: list[Sequence], state: SeqState, cols: np.ndarray | None = None) -> ScheduledStep:
     """A step of these sequences (attached to state, num_scheduled_tokens set), as arrays."""
     if cols is None:
         cols = np.array([seq._col for seq in seqs], dtype=np.int64)
-    ints = state.ints[:, cols]  # [NUM_INTS, B]: one gather
-    starts, num_new = ints[COMPUTED], ints[SCHEDULED]
-    return ScheduledStep(seqs, cols, state.gen[cols], starts, num_new, ints[NUM_TOKENS] - ints[PENDING],
-                         starts + num_new == ints[NUM_TOKENS], state)
+    return ScheduledStep(seqs, cols, state.gen[cols], state.ints[:, cols], state)
 
 
 class Scheduler:
@@ -64,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.num_finished = 0  # sequences finished so far (aborted ones included)
         self.state = SeqState()
         self.forking: dict[int, Sequence] = {}  # seq_id -> a sequence whose forks are not queued yet
         self.stop_mask = np.zeros(1, dtype=bool)  # [max id + 1]: the stop ids of any sequence received (a filter)
@@ -204,7 +208,7 @@ class Scheduler:
         ints, cols, ends = self.state.ints, step.cols, step.ends
         ints[COMPUTED, cols] = ends
         ints[SCHEDULED, cols] = 0
-        sampling = cols[step.samples]
+        sampling = cols if step.all_sample else cols[step.samples]
         ints[PENDING, sampling] += 1
         ints[NUM_TOKENS, sampling] += 1
         if self.block_manager.enable_prefix_caching:
@@ -212,7 +216,7 @@ class Scheduler:
             # token publishes its block in complete()): the next step, scheduled before this one
             # is accounted for, can then find them. Whoever reads them runs after this step.
             known = np.minimum(ends, step.known)
-            for i in np.flatnonzero(known // self.block_manager.block_size > ints[HASHED, cols]).tolist():
+            for i in np.flatnonzero(known // self.block_manager.block_size > step.ints[HASHED]).tolist():
                 self.block_manager.cache_full_blocks(step.seqs[i], int(known[i]))
         if self.forking:  # a prompt is computed: the other samples now find its blocks cached
             for seq in [seq for seq in self.forking.values() if seq.num_tokens > seq.num_prompt_tokens]:
@@ -221,10 +225,11 @@ class Scheduler:
                 seq.forks = []
         return step
 
-    def complete(self, step: ScheduledStep, sampled: list[int], logprobs: list[dict] | None = None
-                 ) -> list[Sequence]:
+    def complete(self, step: ScheduledStep, sampled: list[int], logprobs: list[dict] | None = None,
+                 token_array: np.ndarray | None = None) -> list[Sequence]:
         """Account for a launched step whose results are in: `sampled` holds one token per
-        sequence that sampled, in order (and `logprobs` their logprob dicts). Appends the tokens,
+        sequence that sampled, in order (`token_array` the same as an array, when the caller has
+        one; `logprobs` their logprob dicts). Appends the tokens,
         publishes the blocks they filled, checks the stop conditions. Returns the sequences that
         got a token. With overlap scheduling the next step may already be running: a sequence
         that finished meanwhile (a stop, an abort) may have sampled once more there, and that
@@ -241,31 +246,39 @@ class Scheduler:
             updated = [seqs[i] for i in rows.tolist()]
             tokens = [t for t, k in zip(sampled, keep) if k]
             entries = [e for e, k in zip(logprobs, keep) if k] if logprobs is not None else None
-        for seq, token in zip(updated, tokens):
-            seq.token_ids.append(token)
+        # seq.token_ids.append(token) for each, in C: the one per-sequence pass of a step
+        deque(map(list.append, map(TOKEN_IDS_OF, updated), tokens), maxlen=0)
         state.ints[PENDING, cols] -= 1
         if entries is not None:
             for seq, entry in zip(updated, entries):
                 if seq.logprobs is not None:
                     seq.logprobs.append(entry)
         ints = state.ints[:, cols]  # [NUM_INTS, S] after the tokens
-        now = perf_counter()
+        token_array = np.array(tokens, dtype=np.int64) if token_array is None or len(tokens) != len(token_array) \
+            else token_array
         starts = step.starts if len(updated) == len(seqs) else step.starts[rows]
-        for i in np.flatnonzero(starts < ints[PROMPT]).tolist():  # its prefill ended: the first token
-            if updated[i].first_token_time is None:
-                updated[i].first_token_time = now
-        if self.block_manager.enable_prefix_caching:  # blocks filled by a pending token (a preempted one holds none)
-            ends = starts + (step.num_new if len(updated) == len(seqs) else step.num_new[rows])
-            for i in np.flatnonzero(ends // self.block_manager.block_size > ints[HASHED]).tolist():
-                if updated[i].status is SequenceStatus.RUNNING:
-                    self.block_manager.cache_full_blocks(updated[i], int(ends[i]))
-        step.with_text = [updated[i] for i in np.flatnonzero(ints[FLAGS] & NEEDS_TEXT).tolist()]
-        token_array = np.array(tokens, dtype=np.int64)
+        ends = step.ends if len(updated) == len(seqs) else step.ends[rows]
         mask = self.stop_mask  # [max stop id + 1] bool
-        may_stop = mask[np.minimum(token_array, len(mask) - 1)] & (token_array < len(mask))
-        for i in np.flatnonzero(may_stop | (ints[NUM_TOKENS] - ints[PENDING] >= ints[LIMIT])).tolist():
-            seq, token = updated[i], tokens[i]
-            params = seq.sampling_params
+        first = starts < ints[PROMPT]  # its prefill ended: its first token
+        # a block filled by a pending token (published if the sequence still holds it)
+        publish = ends // self.block_manager.block_size > ints[HASHED]
+        if not self.block_manager.enable_prefix_caching:
+            publish[:] = False
+        text = (ints[FLAGS] & NEEDS_TEXT) > 0
+        may_stop = (mask[np.minimum(token_array, len(mask) - 1)] & (token_array < len(mask))
+                    | (ints[NUM_TOKENS] - ints[PENDING] >= ints[LIMIT]))
+        now = perf_counter()
+        for i in np.flatnonzero(first | publish | text | may_stop).tolist():  # (most steps: none, or a few)
+            seq = updated[i]
+            if first[i] and seq.first_token_time is None:
+                seq.first_token_time = now
+            if publish[i] and seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_full_blocks(seq, int(ends[i]))
+            if text[i]:
+                step.with_text.append(seq)
+            if not may_stop[i]:
+                continue
+            token, params = tokens[i], seq.sampling_params
             if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= params.min_tokens:
                 seq.finish_reason = "stop"
                 seq.stop_reason = token if token in params.stop_token_ids else None
@@ -299,5 +312,6 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = perf_counter()
+        self.num_finished += 1
         if seq._state is not None:
             self.state.detach(seq)

@@ -73,7 +73,7 @@ class BlockTables:
     def encode(self, step: ScheduledStep) -> StepBatch:
         """This step's message (rank 0), applying its table changes to this copy on the way."""
         seqs, bs = step.seqs, self.block_size
-        seq_ids = step.state.ints[SEQ_ID, step.cols].tolist()
+        seq_ids = step.ints[SEQ_ID].tolist()
         if seq_ids != self._rows_of[0] and (len(self.rows) != len(seq_ids) or not self.rows.keys() >= set(seq_ids)):
             scheduled = set(seq_ids)
             forget = [seq_id for seq_id in self.rows if seq_id not in scheduled]
@@ -85,7 +85,7 @@ class BlockTables:
         rows = self.rows_of(seq_ids)
         # A table changes only by growing while its sequence holds its blocks: after preemption the
         # sequence is not scheduled for a step, so its row is forgotten and a new one written whole.
-        num_blocks = step.state.ints[CAPACITY, step.cols] // bs
+        num_blocks = step.ints[CAPACITY] // bs
         changed = np.flatnonzero(self.lengths[rows] != num_blocks)
         offsets = self.lengths[rows[changed]]
         updates = [(seq_ids[i], offset, seqs[i].block_table[offset:])

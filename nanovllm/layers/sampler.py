@@ -249,7 +249,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     whose argmax is vectorized (about 10x torch's single-threaded one at [256, 512]); the same
     answer, ties and NaNs included (both take the first)."""
     if logits.device.type == "cpu":
-        return torch.from_numpy(logits.numpy().argmax(-1).astype(np.int64))
+        return torch.from_numpy(logits.numpy().argmax(-1).astype(np.int64, copy=False))
     return logits.argmax(-1)
 
 

@@ -9,7 +9,7 @@ class Context:
     """Attention metadata of one forward step, for a batch of B sequences and T new tokens in all.
 
     cu_seqlens_q  [B+1] int32  prefix sums of new tokens per sequence (rows of the flat batch)
-    cu_seqlens_k  [B+1] int32  prefix sums of context lengths (cached + new tokens)
+    cu_seqlens_k  [B+1] int32  prefix sums of context lengths (cached + new tokens); None in decode-only steps
     seq_lens_k    [B]   int32  context length of each sequence
     slot_mapping  [T]   int64  cache slot of each new token: block_table[p // bs] * bs + p % bs
     block_tables  [B, W] int32 physical block ids, padded with -1; None when no sequence has cached
