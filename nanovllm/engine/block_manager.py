@@ -137,6 +137,23 @@ class BlockManager:
             self.peak_used_blocks = len(self.blocks) - len(self.free)
         return True
 
+    def grow_all(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """grow() for many sequences at once, all or none: False (changing nothing) if too few
+        blocks are free. Each seq's block_capacity is left to the caller, who sets them all in
+        one vectorized write (Scheduler: the per-block cost is what a decode step of many
+        sequences with small blocks pays most of)."""
+        bs = self.block_size
+        counts = [-(-n // bs) - len(seq.block_table) for seq, n in zip(seqs, num_tokens)]
+        if sum(counts) > len(self.free):
+            return False
+        take = self._take_free_block
+        for seq, count in zip(seqs, counts):
+            table = seq.block_table
+            for _ in range(count):
+                table.append(take())
+        self._note_usage()
+        return True
+
     def _note_usage(self):
         self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free))
 

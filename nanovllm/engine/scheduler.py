@@ -121,7 +121,8 @@ class Scheduler:
             self._running_cols = None
             admitted.append(seq)
         if cols is not None:
-            cols = np.concatenate([cols, np.array([seq._col for seq in admitted], dtype=np.int64)])
+            if admitted:
+                cols = np.concatenate([cols, np.array([seq._col for seq in admitted], dtype=np.int64)])
         else:
             cols = np.array([seq._col for seq in scheduled + admitted], dtype=np.int64)
         scheduled += admitted
@@ -148,9 +149,12 @@ class Scheduler:
             n[k] = budget - (used[k - 1] if k else 0)
             n[k + 1:] = 0
         ends = computed + n
-        for i in np.flatnonzero(ends > ints[CAPACITY, cols]).tolist():  # they need a block (grow them in order)
-            if not self.block_manager.grow(running[i], int(ends[i])):
+        grow = np.flatnonzero(ends > ints[CAPACITY, cols])  # they need a block
+        if len(grow):
+            if not self.block_manager.grow_all([running[i] for i in grow.tolist()], ends[grow].tolist()):
                 return None, None, None
+            bs = self.block_manager.block_size
+            ints[CAPACITY, cols[grow]] = -(-ends[grow] // bs) * bs
         ints[SCHEDULED, cols] = n
         chosen = np.flatnonzero(n)
         if len(chosen) == len(running):
