@@ -459,3 +459,50 @@ def test_stress_configs_exercise_preemption_and_prefix_hits():
     for s in seqs:
         assert s.completion_token_ids == expected_completion(s.token_ids[:13], 12)
     assert sched.block_manager.num_free_blocks == 12
+
+
+def test_seq_state_columns_grow_are_reused_and_round_trip():
+    """SeqState: more sequences than its first capacity, counters kept across attach and detach,
+    and a column's generation counts its reuses (what a step in flight checks)."""
+    from nanovllm.engine.sequence import SeqState
+    state = SeqState(capacity=2)
+    seqs = [make_seq([1, 2, 3], max_tokens=5) for _ in range(5)]
+    for i, seq in enumerate(seqs):
+        seq.num_computed_tokens = i         # before attach: kept in the sequence
+        state.attach(seq)
+        seq.num_scheduled_tokens = 10 + i   # after: in its column
+    assert state.ints.shape[1] >= 5 and len({seq._col for seq in seqs}) == 5
+    assert [(s.num_computed_tokens, s.num_scheduled_tokens, s.token_limit) for s in seqs] == \
+        [(i, 10 + i, 8) for i in range(5)]
+    col, gen = seqs[1]._col, state.gen[seqs[1]._col]
+    state.detach(seqs[1])
+    assert seqs[1].num_scheduled_tokens == 11 and seqs[1]._state is None and state.gen[col] == gen + 1
+    newcomer = make_seq([4])
+    state.attach(newcomer)
+    assert newcomer._col == col and newcomer.num_tokens == 1  # the freed column, written afresh
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorized_scheduling_equals_the_one_at_a_time_loop(seed):
+    """The running sequences' share of a step, computed over their SeqState columns, is what the
+    plain loop computes: the same sequences, tokens and new blocks, under a tight budget, with
+    chunked prefills, decodes and sequences whose last token is still in flight."""
+    import copy
+    rng = random.Random(seed)
+    sched = make_sched(num_blocks=400, block_size=4, budget=rng.randint(1, 40), max_seqs=16)
+    for _ in range(rng.randint(1, 12)):
+        sched.add(make_seq([rng.randrange(50) for _ in range(rng.randint(1, 30))], max_tokens=rng.randint(1, 6)))
+    in_flight = None
+    for _ in range(rng.randint(0, 6)):  # some steps in (overlapped): some decoding, some mid-prefill
+        step = sched.launched(sched.plan(sched.schedule()))
+        if in_flight is not None:
+            sched.complete(in_flight, [rng.randrange(50) for _ in range(int(in_flight.samples.sum()))])
+        in_flight = step
+    sched.max_num_batched_tokens = rng.randint(1, len(sched.running) + 4)  # often short of one token each
+    a, b = sched, copy.deepcopy(sched)
+    vectorized, _, budget_a = a._schedule_running_vectorized()
+    looped, budget_b, victims = b._schedule_running()
+    assert vectorized is not None and not victims  # (blocks to spare: no preemption)
+    assert [s.seq_id for s in vectorized] == [s.seq_id for s in looped] and budget_a == budget_b
+    assert [(s.num_scheduled_tokens, s.block_capacity) for s in a.running] == \
+        [(s.num_scheduled_tokens, s.block_capacity) for s in b.running]

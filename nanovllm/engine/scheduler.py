@@ -233,9 +233,8 @@ class Scheduler:
                  token_array: np.ndarray | None = None) -> list[Sequence]:
         """Account for a launched step whose results are in: `sampled` holds one token per
         sequence that sampled, in order (`token_array` the same as an array, when the caller has
-        one; `logprobs` their logprob dicts). Appends the tokens,
-        publishes the blocks they filled, checks the stop conditions. Returns the sequences that
-        got a token. With overlap scheduling the next step may already be running: a sequence
+        one; `logprobs` their logprob dicts). Appends the tokens, publishes the blocks they
+        filled, checks the stop conditions. Returns the sequences that got a token. With overlap scheduling the next step may already be running: a sequence
         that finished meanwhile (a stop, an abort) may have sampled once more there, and that
         token is dropped here, never returned."""
         state, seqs, cols = self.state, step.seqs, step.cols
