@@ -252,7 +252,7 @@ class ModelRunner:
         """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata.
 
         Vectorized over the persistent block tables (numpy on the host), and everything the
-        device needs goes over in one host-to-device copy of one int64 buffer."""
+        device needs goes over in one host-to-device copy of one buffer (int64 parts, then int32)."""
         num_seqs, bs = len(batch.seq_ids), self.block_size
         starts = batch.starts.astype(np.int64)                                       # [B]
         rows = self.tables.rows_of(batch.seq_ids)                                    # [B]
@@ -279,7 +279,7 @@ class ModelRunner:
         if not decode_only:
             cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(lens_k, out=cu_k[1:])
-        # int64 parts, then the int32 ones (converted on the device in one op)
+        # int64 parts, then the int32 ones
         num_from_last = len(batch.from_last_step) // 2
         # A decode step whose every input token is the last step's sampled one, in the same order
         # (overlap scheduling's steady state): the input ids are that tensor itself.
@@ -301,12 +301,15 @@ class ModelRunner:
             offsets.append(end)
             end += -(-len(p) // ALIGN) * ALIGN
         flat = np.zeros(end, dtype=np.int64)
-        for p, o in zip(parts, offsets):
-            flat[o:o + len(p)] = p
+        flat32 = flat.view(np.int32)  # the int32 parts are written as int32 into the same buffer
+        for i, (p, o) in enumerate(zip(parts, offsets)):
+            if i < num_int64:
+                flat[o:o + len(p)] = p
+            else:
+                flat32[2 * o:2 * o + len(p)] = p
         flat = self._to_device(torch.from_numpy(flat), torch.int64)
-        split = offsets[num_int64]
-        flat32 = flat[split:].int()
-        views = [flat[o:o + len(p)] if i < num_int64 else flat32[o - split:o - split + len(p)]
+        flat32 = flat.view(torch.int32)
+        views = [flat[o:o + len(p)] if i < num_int64 else flat32[2 * o:2 * o + len(p)]
                  for i, (p, o) in enumerate(zip(parts, offsets))]
         cu_q_d, lens_d, tables_d, *cu_k_d = views[num_int64:]
         if feeds_back:

@@ -49,6 +49,9 @@ class BlockTables:
         self.free_rows = list(range(max_rows))             # a heap: the lowest free row first
         self._rows_of: tuple[list[int], np.ndarray] = ([], np.zeros(0, dtype=np.int64))
         self.sample_rows = np.zeros(max_rows, dtype=np.int64)  # rank 0: row -> its index in the last step's samples
+        self._sampled_in_order: np.ndarray | None = None  # rank 0: the last step's rows, if all of them sampled
+        self._zeros = np.zeros(max_rows, dtype=np.int32)  # (read-only)
+        self._feedback: dict[int, np.ndarray] = {}  # (read-only) B -> [0..B) twice: from_last_step when row i takes sample i
 
     def __getitem__(self, seq_id: int) -> list[int]:
         row = self.rows[seq_id]
@@ -100,8 +103,21 @@ class BlockTables:
         # that step's sampled tokens on the device; the others are known here.
         pending = step.starts == step.known
         num_seqs = len(seqs)
-        if pending.all():  # overlap scheduling's steady state: every row decodes its pending token
-            token_ids = np.zeros(num_seqs, dtype=np.int32)
+        if rows is self._sampled_in_order and pending.all():
+            # Overlap scheduling's steady state: the rows of the last step, which all sampled, in
+            # the same order, each decoding the token it sampled: row i takes sample i.
+            token_ids = self._zeros[:num_seqs]
+            from_last = self._feedback.get(num_seqs)
+            if from_last is None:
+                from_last = self._feedback[num_seqs] = np.tile(np.arange(num_seqs, dtype=np.int32), 2)
+            if not step.all_sample:
+                self._sampled_in_order = None
+                self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
+            return StepBatch(seq_ids=seq_ids, starts=step.starts.astype(np.int32),
+                             num_new=step.num_new.astype(np.int32), token_ids=token_ids, samples=step.samples,
+                             table_updates=updates, forget=forget, from_last_step=from_last)
+        if pending.all():  # every row decodes the token it sampled in the last step
+            token_ids = self._zeros[:num_seqs]
             dst = np.arange(num_seqs)
         else:
             parts, starts, num_new = [], step.starts.tolist(), step.num_new.tolist()
@@ -111,6 +127,7 @@ class BlockTables:
             dst = (np.cumsum(step.num_new) - 1)[pending]
         from_last = np.concatenate([dst, self.sample_rows[rows[pending]]]).astype(np.int32)
         self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
+        self._sampled_in_order = rows if step.all_sample else None
         return StepBatch(seq_ids=seq_ids, starts=step.starts.astype(np.int32), num_new=step.num_new.astype(np.int32),
                          token_ids=token_ids, samples=step.samples, table_updates=updates, forget=forget,
                          from_last_step=from_last)
