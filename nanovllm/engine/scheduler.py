@@ -234,9 +234,10 @@ class Scheduler:
         """Account for a launched step whose results are in: `sampled` holds one token per
         sequence that sampled, in order (`token_array` the same as an array, when the caller has
         one; `logprobs` their logprob dicts). Appends the tokens, publishes the blocks they
-        filled, checks the stop conditions. Returns the sequences that got a token. With overlap scheduling the next step may already be running: a sequence
-        that finished meanwhile (a stop, an abort) may have sampled once more there, and that
-        token is dropped here, never returned."""
+        filled, checks the stop conditions. Returns the sequences that got a token. With overlap
+        scheduling the next step may already be running: a sequence that finished meanwhile (a
+        stop, an abort) may have sampled once more there, and that token is dropped here, never
+        returned."""
         state, seqs, cols = self.state, step.seqs, step.cols
         if len(sampled) == len(seqs) and (state.gen[cols] == step.gens).all():  # (most steps: all sample, none ended)
             updated, tokens, entries = seqs, sampled, logprobs
@@ -271,6 +272,7 @@ class Scheduler:
         may_stop = (mask[np.minimum(token_array, len(mask) - 1)] & (token_array < len(mask))
                     | (ints[NUM_TOKENS] - ints[PENDING] >= ints[LIMIT]))
         now = perf_counter()
+        num_left_running = 0  # finished here while running: still in `running`
         for i in np.flatnonzero(first | publish | text | may_stop).tolist():  # (most steps: none, or a few)
             seq = updated[i]
             if first[i] and seq.first_token_time is None:
@@ -289,7 +291,11 @@ class Scheduler:
                 seq.finish_reason = "length"
             else:
                 continue
-            self.finish(seq)
+            if seq.status is SequenceStatus.RUNNING:
+                num_left_running += 1
+            self.finish(seq, keep_in_running=True)
+        if num_left_running:  # drop them from running in one pass
+            self.running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
         return updated
 
     def postprocess(self, seqs: list[Sequence], sampled: list[int], logprobs: list[dict] | None = None
@@ -299,8 +305,10 @@ class Scheduler:
         updated = self.complete(self.launched(self.plan(seqs)), sampled, logprobs)
         return [seq for seq in updated if seq.is_finished]
 
-    def finish(self, seq: Sequence):
-        """Release a sequence from whichever queue holds it (also used to abort a request)."""
+    def finish(self, seq: Sequence, keep_in_running: bool = False):
+        """Release a sequence from whichever queue holds it (also used to abort a request).
+        keep_in_running: the caller drops it from `running` itself, together with others (one
+        pass over `running` for many finishes, not one each)."""
         for fork in seq.forks:  # samples not queued yet (the prompt never finished computing)
             fork.status, fork.finish_reason, fork.finish_time = SequenceStatus.FINISHED, seq.finish_reason, perf_counter()
             if fork._state is not None:
@@ -308,7 +316,8 @@ class Scheduler:
         seq.forks = []
         self.forking.pop(seq.seq_id, None)
         if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            if not keep_in_running:
+                self.running.remove(seq)
             self._running_cols = None
             self.block_manager.free_blocks(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:  # (a fork may not be queued yet)
