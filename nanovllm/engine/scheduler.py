@@ -257,27 +257,27 @@ class Scheduler:
             for seq, entry in zip(updated, entries):
                 if seq.logprobs is not None:
                     seq.logprobs.append(entry)
-        ints = state.ints[:, cols]  # [NUM_INTS, S] after the tokens
+        every_row = len(updated) == len(seqs)
+        ints = step.ints if every_row else step.ints[:, rows]  # PROMPT, FLAGS, LIMIT: as planned
+        starts = step.starts if every_row else step.starts[rows]
+        ends = step.ends if every_row else step.ends[rows]  # = the position of the token just appended
         token_array = np.array(tokens, dtype=np.int64) if token_array is None or len(tokens) != len(token_array) \
             else token_array
-        starts = step.starts if len(updated) == len(seqs) else step.starts[rows]
-        ends = step.ends if len(updated) == len(seqs) else step.ends[rows]
-        mask = self.stop_mask  # [max stop id + 1] bool
         first = starts < ints[PROMPT]  # its prefill ended: its first token
-        # a block filled by a pending token (published if the sequence still holds it)
-        publish = ends // self.block_manager.block_size > ints[HASHED]
-        if not self.block_manager.enable_prefix_caching:
-            publish[:] = False
+        # its pending token filled a block (launched() could not publish it): publish it now
+        bs = self.block_manager.block_size
+        publish = (ends % bs == 0) & self.block_manager.enable_prefix_caching
         text = (ints[FLAGS] & NEEDS_TEXT) > 0
+        mask = self.stop_mask  # [max stop id + 1] bool
         may_stop = (mask[np.minimum(token_array, len(mask) - 1)] & (token_array < len(mask))
-                    | (ints[NUM_TOKENS] - ints[PENDING] >= ints[LIMIT]))
+                    | (ends + 1 >= ints[LIMIT]))
         now = perf_counter()
         num_left_running = 0  # finished here while running: still in `running`
         for i in np.flatnonzero(first | publish | text | may_stop).tolist():  # (most steps: none, or a few)
             seq = updated[i]
             if first[i] and seq.first_token_time is None:
                 seq.first_token_time = now
-            if publish[i] and seq.status is SequenceStatus.RUNNING:
+            if publish[i] and seq.status is SequenceStatus.RUNNING and ends[i] // bs > len(seq.block_hashes):
                 self.block_manager.cache_full_blocks(seq, int(ends[i]))
             if text[i]:
                 step.with_text.append(seq)
