@@ -284,7 +284,8 @@ class ModelRunner:
         # A decode step whose every input token is the last step's sampled one, in the same order
         # (overlap scheduling's steady state): the input ids are that tensor itself.
         feeds_back = (decode_only and num_from_last == num_seqs
-                      and (batch.from_last_step[num_seqs:] == self.arange[:num_seqs]).all())
+                      and (batch.from_last_step is self.tables.feedback(num_seqs)  # (rank 0's steady state)
+                           or (batch.from_last_step[num_seqs:] == self.arange[:num_seqs]).all()))
         parts = [positions, slot_mapping, logits_indices]
         if not feeds_back:
             parts.insert(0, batch.token_ids)
@@ -401,7 +402,7 @@ class ModelRunner:
         out = SampledTokens()
         if logits is not None:
             sampling_batch = self.sampling_batch(step, logits.shape[-1])
-            tokens, logprobs = self.sampler(logits, sampling_batch)
+            tokens, logprobs = self.sampler.forward(logits, sampling_batch)  # (no module hooks to run)
             if sampling_batch.penalties is not None:
                 self.token_history.record(tokens)
             self._share_sampled(tokens)

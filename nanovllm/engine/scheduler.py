@@ -140,16 +140,17 @@ class Scheduler:
             return [], np.zeros(0, dtype=np.int64), budget
         cols = self._cols_of_running()
         ints = self.state.ints
-        num_tokens, computed = ints[NUM_TOKENS, cols], ints[COMPUTED, cols]
+        running_ints = ints.take(cols, axis=1)  # [NUM_INTS, R]: one gather
+        num_tokens, computed = running_ints[NUM_TOKENS], running_ints[COMPUTED]
         n = num_tokens - computed
-        n[num_tokens >= ints[LIMIT, cols]] = 0  # their last token is still in flight (overlap scheduling)
+        n[num_tokens >= running_ints[LIMIT]] = 0  # their last token is still in flight (overlap scheduling)
         used = np.cumsum(n)
         if used[-1] > budget:  # the budget runs out at sequence k: it gets what is left, later ones nothing
             k = int(np.searchsorted(used, budget, side="right"))
             n[k] = budget - (used[k - 1] if k else 0)
             n[k + 1:] = 0
         ends = computed + n
-        grow = np.flatnonzero(ends > ints[CAPACITY, cols])  # they need a block
+        grow = np.flatnonzero(ends > running_ints[CAPACITY])  # they need a block
         if len(grow):
             if not self.block_manager.grow_all([running[i] for i in grow.tolist()], ends[grow].tolist()):
                 return None, None, None

@@ -107,9 +107,7 @@ class BlockTables:
             # Overlap scheduling's steady state: the rows of the last step, which all sampled, in
             # the same order, each decoding the token it sampled: row i takes sample i.
             token_ids = self._zeros[:num_seqs]
-            from_last = self._feedback.get(num_seqs)
-            if from_last is None:
-                from_last = self._feedback[num_seqs] = np.tile(np.arange(num_seqs, dtype=np.int32), 2)
+            from_last = self.feedback(num_seqs)
             if not step.all_sample:
                 self._sampled_in_order = None
                 self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
@@ -137,6 +135,13 @@ class BlockTables:
         self._forget(batch.forget)
         for seq_id, offset, blocks in batch.table_updates:
             self._write(seq_id, offset, blocks)
+
+    def feedback(self, num_seqs: int) -> np.ndarray:
+        """from_last_step when row i of a step takes sample i of the last: [0..B) twice (kept)."""
+        array = self._feedback.get(num_seqs)
+        if array is None:
+            array = self._feedback[num_seqs] = np.tile(np.arange(num_seqs, dtype=np.int32), 2)
+        return array
 
     def rows_of(self, seq_ids: list[int]) -> np.ndarray:
         """The rows of these sequences, [B] (the last answer is kept: most steps ask it again)."""
