@@ -24,6 +24,7 @@ class ScheduledStep:
     gens: np.ndarray     # [B] those columns' generations (a finished sequence's column is reused)
     ints: np.ndarray     # [NUM_INTS, B] their columns of SeqState.ints when planned
     state: SeqState
+    num_detached: int    # state.num_detached when planned
     with_text: list[Sequence] = field(default_factory=list)  # complete(): those updated that need their text
 
     def __post_init__(self):
@@ -40,7 +41,7 @@ def plan_step(seqs: list[Sequence], state: SeqState, cols: np.ndarray | None = N
     """A step of these sequences (attached to state, num_scheduled_tokens set), as arrays."""
     if cols is None:
         cols = np.array([seq._col for seq in seqs], dtype=np.int64)
-    return ScheduledStep(seqs, cols, state.gen[cols], state.ints[:, cols], state)
+    return ScheduledStep(seqs, cols, state.gen[cols], state.ints[:, cols], state, state.num_detached)
 
 
 class Scheduler:
@@ -240,7 +241,8 @@ class Scheduler:
         stop, an abort) may have sampled once more there, and that token is dropped here, never
         returned."""
         state, seqs, cols = self.state, step.seqs, step.cols
-        if len(sampled) == len(seqs) and (state.gen[cols] == step.gens).all():  # (most steps: all sample, none ended)
+        if len(sampled) == len(seqs) and (state.num_detached == step.num_detached  # (most steps: all sample,
+                                          or (state.gen[cols] == step.gens).all()):  # none ended since)
             updated, tokens, entries = seqs, sampled, logprobs
         else:  # drop the rows that did not sample, and those that finished since (their column was given back)
             rows = np.flatnonzero(step.samples)    # [S] the sampling rows, in the order of `sampled`

@@ -41,6 +41,7 @@ class SeqState:
         self.floats = np.zeros((6, capacity), dtype=np.float32)
         self.gen = np.zeros(capacity, dtype=np.int64)
         self.free = list(range(capacity - 1, -1, -1))  # popped from the end: lowest first
+        self.num_detached = 0  # columns given back so far (unchanged: no column changed owner)
 
     def _grow(self):
         old = self.ints.shape[1]
@@ -72,6 +73,7 @@ class SeqState:
         seq._counters = self.ints[:NUM_COUNTERS, col].tolist()
         seq._state = None
         self.gen[col] += 1
+        self.num_detached += 1
         self.free.append(col)
 
 
