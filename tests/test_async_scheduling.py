@@ -82,8 +82,8 @@ def test_preemption_happens_in_the_preemption_case(model_dir):
 
 
 def record_launches(llm):
-    """Wrap the runner's launch: the list of (seq_ids, from_last_step) of every launched step."""
-    launches, launch, encode = [], llm.model_runner.launch, llm.model_runner.tables.encode
+    """Wrap the runner's step encoding: the list of (seq_ids, from_last_step) of every launched step."""
+    launches, encode = [], llm.model_runner.tables.encode
 
     def encode_and_record(step):
         batch = encode(step)

@@ -126,15 +126,9 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table cover its first num_tokens tokens; False (changing nothing) if
         too few blocks are free."""
-        table = seq.block_table
-        num_new = -(-num_tokens // self.block_size) - len(table)
-        if num_new > len(self.free):
+        if not self.grow_all([seq], [num_tokens]):
             return False
-        for _ in range(num_new):
-            table.append(self._take_free_block())
-        seq.block_capacity = len(table) * self.block_size
-        if len(self.blocks) - len(self.free) > self.peak_used_blocks:
-            self.peak_used_blocks = len(self.blocks) - len(self.free)
+        seq.block_capacity = len(seq.block_table) * self.block_size
         return True
 
     def grow_all(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
@@ -142,8 +136,7 @@ class BlockManager:
         blocks are free. Each seq's block_capacity is left to the caller, who sets them all in
         one vectorized write (Scheduler: the per-block cost is what a decode step of many
         sequences with small blocks pays most of)."""
-        bs = self.block_size
-        counts = [-(-n // bs) - len(seq.block_table) for seq, n in zip(seqs, num_tokens)]
+        counts = [self.blocks_needed(n) - len(seq.block_table) for seq, n in zip(seqs, num_tokens)]
         if sum(counts) > len(self.free):
             return False
         take = self._take_free_block
@@ -167,7 +160,7 @@ class BlockManager:
         num_computed = seq.num_computed_tokens if num_computed is None else num_computed
         bs, hashes = self.block_size, seq.block_hashes
         for i in range(len(hashes), num_computed // bs):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            tokens = seq.block_tokens(i, bs)
             h = chain_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
             if h in self.hash_to_block:  # an equal block is published already (computed alongside): keep it

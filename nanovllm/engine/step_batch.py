@@ -102,30 +102,25 @@ class BlockTables:
         # The new tokens: a decode of a token the last step sampled (not read yet) takes it from
         # that step's sampled tokens on the device; the others are known here.
         pending = step.starts == step.known
-        num_seqs = len(seqs)
-        if rows is self._sampled_in_order and pending.all():
+        num_seqs, all_pending = len(seqs), bool(pending.all())
+        if rows is self._sampled_in_order and all_pending:
             # Overlap scheduling's steady state: the rows of the last step, which all sampled, in
             # the same order, each decoding the token it sampled: row i takes sample i.
-            token_ids = self._zeros[:num_seqs]
-            from_last = self.feedback(num_seqs)
-            if not step.all_sample:
-                self._sampled_in_order = None
-                self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
-            return StepBatch(seq_ids=seq_ids, starts=step.starts.astype(np.int32),
-                             num_new=step.num_new.astype(np.int32), token_ids=token_ids, samples=step.samples,
-                             table_updates=updates, forget=forget, from_last_step=from_last)
-        if pending.all():  # every row decodes the token it sampled in the last step
-            token_ids = self._zeros[:num_seqs]
-            dst = np.arange(num_seqs)
+            token_ids, from_last = self._zeros[:num_seqs], self.feedback(num_seqs)
         else:
-            parts, starts, num_new = [], step.starts.tolist(), step.num_new.tolist()
-            for seq, start, n, p in zip(seqs, starts, num_new, pending.tolist()):
-                parts.append([0] if p else seq.token_ids[start:start + n])
-            token_ids = np.array([t for part in parts for t in part], dtype=np.int32)
-            dst = (np.cumsum(step.num_new) - 1)[pending]
-        from_last = np.concatenate([dst, self.sample_rows[rows[pending]]]).astype(np.int32)
-        self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
-        self._sampled_in_order = rows if step.all_sample else None
+            if all_pending:  # every row decodes the token it sampled in the last step
+                token_ids, dst = self._zeros[:num_seqs], np.arange(num_seqs)
+            else:
+                parts, starts, num_new = [], step.starts.tolist(), step.num_new.tolist()
+                for seq, start, n, p in zip(seqs, starts, num_new, pending.tolist()):
+                    parts.append([0] if p else seq.token_ids[start:start + n])
+                token_ids = np.array([t for part in parts for t in part], dtype=np.int32)
+                dst = (np.cumsum(step.num_new) - 1)[pending]
+            from_last = np.concatenate([dst, self.sample_rows[rows[pending]]]).astype(np.int32)
+            self._sampled_in_order = None
+        if not (step.all_sample and rows is self._sampled_in_order):  # (else: row i sampled i already)
+            self.sample_rows[rows[step.samples]] = np.arange(int(step.samples.sum()))
+            self._sampled_in_order = rows if step.all_sample else None
         return StepBatch(seq_ids=seq_ids, starts=step.starts.astype(np.int32), num_new=step.num_new.astype(np.int32),
                          token_ids=token_ids, samples=step.samples, table_updates=updates, forget=forget,
                          from_last_step=from_last)
