@@ -482,6 +482,31 @@ def test_seq_state_columns_grow_are_reused_and_round_trip():
     assert newcomer._col == col and newcomer.num_tokens == 1  # the freed column, written afresh
 
 
+def test_column_index_is_a_slice_exactly_for_consecutive_columns():
+    import numpy as np
+    from nanovllm.engine.scheduler import column_index
+    assert column_index(np.array([3, 4, 5])) == slice(3, 6)
+    assert column_index(np.array([7])) == slice(7, 8)
+    for cols in ([], [0, 2], [1, 0], [0, 1, 3], [2, 1, 0], [0, 2, 1, 3]):
+        index = column_index(np.array(cols, dtype=np.int64))
+        assert isinstance(index, np.ndarray) and index.tolist() == cols
+
+
+def test_a_planned_step_keeps_its_columns_as_they_were_when_planned():
+    """Sequences admitted together hold consecutive columns, so their steps index SeqState by a
+    slice; the step must still own a copy of the columns (launched() moves the sequences on)."""
+    sched = make_sched()
+    for _ in range(3):
+        sched.add(make_seq([1, 2, 3, 4, 5], max_tokens=4))
+    step(sched)  # the prefill
+    planned = sched.plan(sched.schedule())
+    assert isinstance(planned.index, slice)
+    ints, gens = planned.ints.copy(), planned.gens.copy()
+    sched.complete(sched.launched(planned), [1, 2, 3])
+    assert (planned.ints == ints).all() and (planned.gens == gens).all()
+    assert [s.num_tokens for s in sched.running] == [7, 7, 7]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_vectorized_scheduling_equals_the_one_at_a_time_loop(seed):
     """The running sequences' share of a step, computed over their SeqState columns, is what the
@@ -500,7 +525,7 @@ def test_vectorized_scheduling_equals_the_one_at_a_time_loop(seed):
         in_flight = step
     sched.max_num_batched_tokens = rng.randint(1, len(sched.running) + 4)  # often short of one token each
     a, b = sched, copy.deepcopy(sched)
-    vectorized, _, budget_a = a._schedule_running_vectorized()
+    vectorized, _, _, budget_a = a._schedule_running_vectorized()
     looped, budget_b, victims = b._schedule_running()
     assert vectorized is not None and not victims  # (blocks to spare: no preemption)
     assert [s.seq_id for s in vectorized] == [s.seq_id for s in looped] and budget_a == budget_b

@@ -340,7 +340,7 @@ class ModelRunner:
         all_greedy = not needs & RANDOM
         filters, min_p, penalties = needs & FILTERS, needs & USES_MIN_P, needs & PENALIZED
         if needs & (RANDOM | FILTERS | USES_MIN_P | PENALIZED):
-            floats = step.state.floats[:, step.cols if step.all_sample else step.cols[step.samples]]  # [6, S]
+            floats = step.state.floats[:, step.index if step.all_sample else step.cols[step.samples]]  # [6, S]
         int_rows, float_rows = [], []
         if not all_greedy:  # greedy rows use none of these: the sampler takes the argmax
             int_rows += [ints[SEED], step.ends[step.samples]]  # (the position of the token sampled)

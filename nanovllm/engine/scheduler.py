@@ -21,6 +21,7 @@ class ScheduledStep:
     complete() need to account for it, even after the sequences have moved on."""
     seqs: list[Sequence]
     cols: np.ndarray     # [B] their SeqState columns
+    index: np.ndarray | slice  # cols, or the same columns as a slice when they are consecutive
     gens: np.ndarray     # [B] those columns' generations (a finished sequence's column is reused)
     ints: np.ndarray     # [NUM_INTS, B] their columns of SeqState.ints when planned
     state: SeqState
@@ -37,11 +38,29 @@ class ScheduledStep:
         self.all_sample = bool(self.samples.all())
 
 
-def plan_step(seqs: list[Sequence], state: SeqState, cols: np.ndarray | None = None) -> ScheduledStep:
-    """A step of these sequences (attached to state, num_scheduled_tokens set), as arrays."""
+def column_index(cols: np.ndarray) -> np.ndarray | slice:
+    """cols as a slice when they are consecutive (the usual case: sequences admitted together
+    take neighbouring columns and keep them), else cols itself. Reading or writing a row of
+    SeqState through a slice is a view, several times cheaper than a gather or scatter."""
+    n = len(cols)
+    if n and cols[-1] - cols[0] == n - 1 and (n == 1 or bool((np.diff(cols) == 1).all())):
+        return slice(int(cols[0]), int(cols[0]) + n)
+    return cols
+
+
+def plan_step(seqs: list[Sequence], state: SeqState, cols: np.ndarray | None = None,
+              index: np.ndarray | slice | None = None) -> ScheduledStep:
+    """A step of these sequences (attached to state, num_scheduled_tokens set), as arrays.
+    index: column_index(cols), when the caller has it."""
     if cols is None:
         cols = np.array([seq._col for seq in seqs], dtype=np.int64)
-    return ScheduledStep(seqs, cols, state.gen[cols], state.ints[:, cols], state, state.num_detached)
+    if index is None:
+        index = column_index(cols)
+    if isinstance(index, slice):  # (copies: the step keeps what its columns held when planned)
+        gens, ints = state.gen[index].copy(), state.ints[:, index].copy()
+    else:
+        gens, ints = state.gen[cols], state.ints[:, cols]
+    return ScheduledStep(seqs, cols, index, gens, ints, state, state.num_detached)
 
 
 class Scheduler:
@@ -72,8 +91,8 @@ class Scheduler:
         self.state = SeqState()
         self.forking: dict[int, Sequence] = {}  # seq_id -> a sequence whose forks are not queued yet
         self.stop_mask = np.zeros(1, dtype=bool)  # [max id + 1]: the stop ids of any sequence received (a filter)
-        self._running_cols: tuple[list[Sequence], np.ndarray] | None = None  # (running, their columns)
-        self._planned: tuple[list[Sequence], np.ndarray] | None = None       # schedule()'s last answer
+        self._running_cols: tuple[np.ndarray, np.ndarray | slice] | None = None  # running's columns, index
+        self._planned: tuple[list[Sequence], np.ndarray, np.ndarray | slice | None] | None = None  # schedule()'s
 
     def add(self, seq: Sequence):
         for s in [seq, *seq.forks]:
@@ -92,20 +111,21 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def _cols_of_running(self) -> np.ndarray:
-        """The running sequences' columns, [len(running)] (kept while `running` is unchanged)."""
+    def _cols_of_running(self) -> tuple[np.ndarray, np.ndarray | slice]:
+        """The running sequences' columns, [len(running)], and their column_index() (kept while
+        `running` is unchanged)."""
         if self._running_cols is None:
-            self._running_cols = np.fromiter((seq._col for seq in self.running), dtype=np.int64,
-                                             count=len(self.running))
+            cols = np.fromiter((seq._col for seq in self.running), dtype=np.int64, count=len(self.running))
+            self._running_cols = cols, column_index(cols)
         return self._running_cols
 
     def schedule(self) -> list[Sequence]:
         """Pick this step's sequences and set each one's num_scheduled_tokens."""
-        scheduled, cols, budget = self._schedule_running_vectorized()
+        scheduled, cols, index, budget = self._schedule_running_vectorized()
         victims = []
         if scheduled is None:
             scheduled, budget, victims = self._schedule_running()
-            cols = None
+            cols = index = None
         # A victim preempted in this step is first in line: it waits for the next step (by then a
         # token it had in flight has arrived, and the runner has dropped its old block table), and
         # so does everyone behind it.
@@ -124,24 +144,26 @@ class Scheduler:
         if cols is not None:
             if admitted:
                 cols = np.concatenate([cols, np.array([seq._col for seq in admitted], dtype=np.int64)])
+                index = None
         else:
             cols = np.array([seq._col for seq in scheduled + admitted], dtype=np.int64)
         scheduled += admitted
-        self._planned = (scheduled, cols)
+        self._planned = (scheduled, cols, index)
         for seq in victims:
             seq.status = SequenceStatus.WAITING
         return scheduled
 
     def _schedule_running_vectorized(self):
         """The running sequences' share of the step, computed over their columns at once; returns
-        (scheduled, their columns, budget left), or (None, None, None) when a sequence needs a
-        block and none is free (the general loop then preempts)."""
+        (scheduled, their columns, column_index of those or None, budget left), or
+        (None, None, None, None) when a sequence needs a block and none is free (the general loop
+        then preempts)."""
         running, budget = self.running, self.max_num_batched_tokens
         if not running:
-            return [], np.zeros(0, dtype=np.int64), budget
-        cols = self._cols_of_running()
+            return [], np.zeros(0, dtype=np.int64), None, budget
+        cols, index = self._cols_of_running()
         ints = self.state.ints
-        running_ints = ints.take(cols, axis=1)  # [NUM_INTS, R]: one gather
+        running_ints = ints[:, index]  # [NUM_INTS, R]: a view, or one gather
         num_tokens, computed = running_ints[NUM_TOKENS], running_ints[COMPUTED]
         n = num_tokens - computed
         n[num_tokens >= running_ints[LIMIT]] = 0  # their last token is still in flight (overlap scheduling)
@@ -154,14 +176,14 @@ class Scheduler:
         grow = np.flatnonzero(ends > running_ints[CAPACITY])  # they need a block
         if len(grow):
             if not self.block_manager.grow_all([running[i] for i in grow.tolist()], ends[grow].tolist()):
-                return None, None, None
+                return None, None, None, None
             bs = self.block_manager.block_size
             ints[CAPACITY, cols[grow]] = -(-ends[grow] // bs) * bs
-        ints[SCHEDULED, cols] = n
+        ints[SCHEDULED, index] = n
         chosen = np.flatnonzero(n)
         if len(chosen) == len(running):
-            return list(running), cols, budget - int(n.sum())
-        return [running[i] for i in chosen.tolist()], cols[chosen], budget - int(n.sum())
+            return list(running), cols, index, budget - int(n.sum())
+        return [running[i] for i in chosen.tolist()], cols[chosen], None, budget - int(n.sum())
 
     def _schedule_running(self) -> tuple[list[Sequence], int, list[Sequence]]:
         """The running sequences' share of the step, one at a time, preempting when out of blocks.
@@ -204,17 +226,17 @@ class Scheduler:
 
     def plan(self, seqs: list[Sequence]) -> ScheduledStep:
         """The step schedule() just returned, as arrays (see ScheduledStep)."""
-        cols = self._planned[1] if self._planned is not None and self._planned[0] is seqs else None
-        return plan_step(seqs, self.state, cols)
+        cols, index = self._planned[1:] if self._planned is not None and self._planned[0] is seqs else (None, None)
+        return plan_step(seqs, self.state, cols, index)
 
     def launched(self, step: ScheduledStep) -> ScheduledStep:
         """The planned step is on its way to the device: advance its sequences past it. Its
         scheduled tokens count as computed (the next step may build on them), and a sequence that
         samples gets a pending token, whose id complete() fills in."""
-        ints, cols, ends = self.state.ints, step.cols, step.ends
+        ints, cols, ends = self.state.ints, step.index, step.ends
         ints[COMPUTED, cols] = ends
         ints[SCHEDULED, cols] = 0
-        sampling = cols if step.all_sample else cols[step.samples]
+        sampling = cols if step.all_sample else step.cols[step.samples]
         ints[PENDING, sampling] += 1
         ints[NUM_TOKENS, sampling] += 1
         if self.block_manager.enable_prefix_caching:
@@ -240,11 +262,12 @@ class Scheduler:
         scheduling the next step may already be running: a sequence that finished meanwhile (a
         stop, an abort) may have sampled once more there, and that token is dropped here, never
         returned."""
-        state, seqs, cols = self.state, step.seqs, step.cols
+        state, seqs, cols = self.state, step.seqs, step.index
         if len(sampled) == len(seqs) and (state.num_detached == step.num_detached  # (most steps: all sample,
                                           or (state.gen[cols] == step.gens).all()):  # none ended since)
             updated, tokens, entries = seqs, sampled, logprobs
         else:  # drop the rows that did not sample, and those that finished since (their column was given back)
+            cols = step.cols
             rows = np.flatnonzero(step.samples)    # [S] the sampling rows, in the order of `sampled`
             assert len(rows) == len(sampled), "one sampled token per sampling sequence"
             keep = (state.gen[cols[rows]] == step.gens[rows]).tolist()
