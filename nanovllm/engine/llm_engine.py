@@ -249,7 +249,7 @@ class LLMEngine:
         outs = [self._sample_output(seq) for seq in samples]
         return {**outs[0], "samples": outs} if len(outs) > 1 else outs[0]
 
-    def _run(self, seqs: list[Sequence], bar=None):
+    def _run(self, seqs: list[Sequence]):
         """Step until every sequence in seqs has finished, yielding the ones of them that have news
         (new tokens, or their end) since the last yield.
 
@@ -281,17 +281,37 @@ class LLMEngine:
                     if not news:
                         continue
                 seen.update(zip(map(SEQ_ID_OF, news), map(len, map(TOKEN_IDS_OF, news))))
-                num_pending = len(pending)
                 if finished != self.scheduler.num_finished:  # (else none of pending can have finished)
                     finished = self.scheduler.num_finished
                     pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
+                yield news
+        except BaseException:
+            for seq in seqs:
+                self.abort(seq)
+            raise
+
+    def _run_to_end(self, seqs: list[Sequence], bar=None):
+        """Step until every sequence in seqs has finished: _run() for a caller that wants only
+        the end (generate()), so a step costs it no reading of news, just a check of whether any
+        sequence finished. Aborts them on any exception, as _run() does."""
+        pending = list(seqs)
+        finished = -1  # the scheduler's num_finished when pending was last filtered
+        try:
+            while pending:
+                if finished != self.scheduler.num_finished:  # (else none of pending can have finished)
+                    finished = self.scheduler.num_finished
+                    num_pending = len(pending)
+                    pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
+                    if bar is not None:
+                        bar.update(num_pending - len(pending))
+                    if not pending:
+                        break
+                self.step()
                 if bar is not None:
                     c = self.counters
                     bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
                                         f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
                                         refresh=False)
-                    bar.update(num_pending - len(pending))
-                yield news
         except BaseException:
             for seq in seqs:
                 self.abort(seq)
@@ -307,8 +327,7 @@ class LLMEngine:
         requests = self._add_requests(prompts, sampling_params, stream=False)
         seqs = [seq for samples in requests for seq in samples]
         with tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            for _ in self._run(seqs, bar):
-                pass
+            self._run_to_end(seqs, bar if use_tqdm else None)
         return [self.output(samples) for samples in requests]
 
     def stream(self, prompts, sampling_params):
