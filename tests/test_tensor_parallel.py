@@ -271,3 +271,47 @@ def test_block_tables_copies_agree_across_growth_preemption_and_forgetting():
             assert rank0[seq.seq_id] == rank1[seq.seq_id] == seq.block_table
             assert rank0.rows[seq.seq_id] == rank1.rows[seq.seq_id]
         assert set(rank0.rows) == set(rank1.rows) == {seq.seq_id for seq in batch_seqs}
+
+
+class _DeadWorker:
+    """A worker that died during start-up, as rank 0 may see it: its pipe already at EOF."""
+    exitcode = 1
+
+    def is_alive(self):
+        return False
+
+    def join(self, timeout=None):
+        pass
+
+    def poll(self, timeout=None):
+        return True  # EOF counts as readable
+
+    def recv(self):
+        raise EOFError
+
+
+def test_a_worker_dying_at_start_up_is_a_clear_error_even_when_its_pipe_closes_first():
+    """Whether rank 0 notices the dead process or its closed pipe first, the error is the
+    RuntimeError that says what happened, never a bare EOFError from the pipe."""
+    from nanovllm.engine.workers import Workers
+    workers = Workers.__new__(Workers)
+    workers.processes, workers.conns = [_DeadWorker()], [_DeadWorker()]
+    with pytest.raises(RuntimeError, match="rank 1 exited during start-up .*exit code 1.*__main__"):
+        workers._wait_started()
+
+
+UNGUARDED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from nanovllm import LLM
+    LLM({path!r}, tensor_parallel_size=2, max_model_len=200)  # no __main__ guard: spawn re-runs this
+""")
+
+
+def test_a_script_without_a_main_guard_gets_the_start_up_error(model_dir, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(root=ROOT, path=model_dir))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last_error = proc.stderr.strip().splitlines()[-1]
+    assert last_error.startswith("RuntimeError: tensor-parallel worker rank 1 exited during start-up"), proc.stderr

@@ -59,6 +59,13 @@ def _stop(processes, conns):
             p.join()
 
 
+def _died_starting(rank: int, p) -> RuntimeError:
+    return RuntimeError(
+        f"tensor-parallel worker rank {rank} exited during start-up (exit code {p.exitcode}); "
+        "see its error above. Scripts that use tensor_parallel_size > 1 must guard their "
+        "entry point with `if __name__ == '__main__':`, as spawned processes re-import it")
+
+
 class Workers:
     def __init__(self, config: Config):
         size = config.tensor_parallel_size
@@ -90,11 +97,13 @@ class Workers:
         for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
             while not conn.poll(0.1):
                 if not p.is_alive():
-                    raise RuntimeError(
-                        f"tensor-parallel worker rank {rank} exited during start-up (exit code {p.exitcode}); "
-                        "see its error above. Scripts that use tensor_parallel_size > 1 must guard their "
-                        "entry point with `if __name__ == '__main__':`, as spawned processes re-import it")
-            assert conn.recv() == "started"
+                    raise _died_starting(rank, p)
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # its end of the pipe closed: it died (poll() saw the EOF first)
+                p.join(JOIN_TIMEOUT_S)
+                raise _died_starting(rank, p) from None
+            assert message == "started"
 
     def check_alive(self):
         for rank, p in enumerate(self.processes, start=1):
