@@ -97,6 +97,18 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         return ids
 
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages ({"role", "content"} dicts) as prompt token ids, through the tokenizer's
+        chat template, with the assistant's turn opened."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the model {self.config.model!r} has no chat template (its tokenizer_config.json "
+                             "names none): chat needs one; use completions instead")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2's TemplateError, or a template that raises on these messages
+            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)  # (the template has any BOS already)
+
     def _make_request(self, prompt, sampling_params: SamplingParams, index: int, stream: bool) -> list[Sequence]:
         """Validate one request and build its n sample Sequences (samples 2..n ride on the first
         as forks until its prompt is computed); nothing is queued here."""
@@ -146,9 +158,10 @@ class LLMEngine:
             self.scheduler.add(samples[0])
         return requests
 
-    def add_request(self, prompt, sampling_params: SamplingParams) -> list[Sequence]:
-        """Queue one request; returns its n sample Sequences (drive them with step())."""
-        return self._add_requests([prompt], sampling_params, stream=False)[0]
+    def add_request(self, prompt, sampling_params: SamplingParams, stream: bool = False) -> list[Sequence]:
+        """Queue one request; returns its n sample Sequences (drive them with step(), read their
+        news with stream_update(); stream: detokenize as tokens come, for text in every update)."""
+        return self._add_requests([prompt], sampling_params, stream=stream)[0]
 
     def abort(self, seq: Sequence):
         if not seq.is_finished:
@@ -334,7 +347,8 @@ class LLMEngine:
         """Like generate(), but yields updates as tokens are produced, while continuous batching
         runs across all requests: dicts with `index` (the prompt's position), `sample` (which of
         its n samples), `text` and `token_ids` (what is new since that sample's last update) and
-        `finished`; a sample's last update also has `finish_reason` and `stop_reason`. The `text`
+        `finished`, with `logprobs` (the new tokens' dicts) when asked for; a sample's last update
+        also has `finish_reason`, `stop_reason`, `num_cached_tokens` and `metrics`. The `text`
         pieces of a sample concatenate to generate()'s text.
 
         Every request is validated here, so a bad one raises at the call, not at the first next();
@@ -350,10 +364,14 @@ class LLMEngine:
         for updated in self._run([seq for samples in requests for seq in samples]):
             # All of them now, before the caller runs again: a step it makes in between (another
             # generate, say) must not change what this batch of news reports.
-            updates = [self._stream_update(seq) for seq in updated]
+            updates = [self.stream_update(seq) for seq in updated]
             yield from (u for u in updates if u is not None)
 
-    def _stream_update(self, seq: Sequence) -> dict | None:
+    def stream_update(self, seq: Sequence) -> dict | None:
+        """What is new in seq since its last update (None when nothing is): stream()'s dict, each
+        token and character reported once. A sequence built without a detokenizer (not for
+        streaming) has text only in its last update."""
+        first = seq.num_emitted_tokens
         if seq.is_finished:
             text = self._final_text(seq)
         elif seq.detokenizer is not None:
@@ -370,8 +388,11 @@ class LLMEngine:
         seq.num_emitted_chars += len(new_text or "")
         update = {"index": seq.index, "sample": seq.sample_index, "text": new_text, "token_ids": new_ids,
                   "finished": seq.is_finished}
+        if seq.logprobs is not None:
+            update["logprobs"] = seq.logprobs[first:first + len(new_ids)]
         if seq.is_finished:
-            update.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, metrics=seq.metrics())
+            update.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                          num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics())
         return update
 
     def shutdown(self):

@@ -18,7 +18,13 @@ CORPUS = [
 ] * 4
 
 
-def build_tokenizer(path: str, vocab_size: int = 400):
+# A ChatML template (Qwen's turn markers), for models built with chat_template=True.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tokenizer(path: str, vocab_size: int = 400, chat_template: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -29,6 +35,8 @@ def build_tokenizer(path: str, vocab_size: int = 400):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN)
+    if chat_template:
+        fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(path)
     return fast
 
@@ -44,8 +52,10 @@ FAMILIES = {
 }
 
 
-def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, **overrides) -> str:
+def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, chat_template: bool = False,
+                **overrides) -> str:
     """Write a tiny random-weight model of family `arch` (a key of FAMILIES) to `path`; returns path.
+    chat_template: give its tokenizer a ChatML chat template.
 
     Weights are drawn with a larger spread than real checkpoints (initializer_range 0.2) so the
     logits are far apart and greedy decoding is robust to float rounding differences.
@@ -57,7 +67,7 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
     os.makedirs(path, exist_ok=True)
     eos_id = None
     if tokenizer:
-        eos_id = build_tokenizer(path).convert_tokens_to_ids(EOS_TOKEN)
+        eos_id = build_tokenizer(path, chat_template=chat_template).convert_tokens_to_ids(EOS_TOKEN)
     settings = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                     initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,

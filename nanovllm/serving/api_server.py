@@ -1,0 +1,348 @@
+"""An OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn): `nanovllm serve MODEL`.
+
+    GET  /health                 200 once the engine is loaded (503 if it has failed)
+    GET  /v1/models              the served model
+    POST /v1/completions         prompt(s) -> text, streamed as server-sent events on request
+    POST /v1/chat/completions    messages, rendered by the tokenizer's chat template
+    GET  /metrics                Prometheus metrics (serving/metrics.py)
+
+Concurrent requests share the engine's continuous batching: each HTTP request becomes one engine
+request per prompt, and the engine thread (serving/async_engine.py) steps them all together.
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}; a client's mistake
+is a 4xx, never a 500, and never disturbs the other requests.
+"""
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.serving.async_engine import AsyncEngine, EngineDead, QueueFull, updates
+from nanovllm.serving.metrics import ServingMetrics
+from nanovllm.serving.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, SamplingRequest)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code if self.code is not None else self.status}}, self.status)
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              metrics: ServingMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under the name `served_model_name`."""
+    app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
+    tokenizer = engine.llm.tokenizer
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                            "invalid_request_error").response()
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+        return APIError(400, message, "invalid_request_error", location[0] if location else None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        return APIError(e.status_code, str(e.detail), "invalid_request_error").response()
+
+    async def authorized(request: Request):
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                           "authentication_error", code="invalid_api_key")
+
+    def check_model(body: SamplingRequest):
+        if body.model is not None and body.model != served_model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{served_model_name}`",
+                           "not_found_error", "model", "model_not_found")
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return APIError(503, f"the engine has failed: {engine.error!r}", "server_error").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            raise APIError(404, "metrics are off", "not_found_error")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": CREATED,
+                                            "owned_by": "nanovllm", "max_model_len": engine.llm.config.max_model_len}]}
+
+    async def submit_all(prompts: list, body: SamplingRequest, max_tokens: int | None, num_logprobs: int | None):
+        """Submit one engine request per prompt (all of them or none): they share one queue."""
+        params = body.sampling_params(max_tokens, num_logprobs)
+        queue: asyncio.Queue = asyncio.Queue()
+        requests = []
+        try:
+            for prompt in prompts:
+                requests.append(await engine.submit(prompt, params, body.stream, queue, fill_context=max_tokens is None))
+        except BaseException as e:
+            for request in requests:
+                engine.abort(request)
+            if isinstance(e, (ValueError, TypeError)):
+                raise APIError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from e
+            if isinstance(e, QueueFull):
+                raise APIError(503, str(e), "service_unavailable") from e
+            if isinstance(e, EngineDead):
+                raise APIError(503, str(e), "server_error") from e
+            raise
+        return requests
+
+    async def respond(http: Request, body: SamplingRequest, prompts: list, max_tokens: int | None,
+                      num_logprobs: int | None, chat: bool):
+        check_model(body)
+        try:
+            requests = await submit_all(prompts, body, max_tokens, num_logprobs)
+        except BadRequest as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from e
+        response = Choices(requests, body, served_model_name, tokenizer, chat)
+        if body.stream:
+            return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
+                                     media_type="text/event-stream")
+        try:
+            return await until_disconnected(http, response.collect())
+        finally:
+            abort(engine, requests)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, http: Request):
+        try:
+            prompts = body.prompts()
+        except BadRequest as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from e
+        return await respond(http, body, prompts, body.max_tokens, body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
+        try:
+            messages = [m.as_template_input() for m in body.messages]
+            num_logprobs = body.num_logprobs()
+        except BadRequest as e:
+            raise APIError(400, str(e), "invalid_request_error", e.param) from e
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await respond(http, body, [messages], max_tokens, num_logprobs, chat=True)
+
+    return app
+
+
+CREATED = int(time.time())
+
+
+def abort(engine: AsyncEngine, requests: list):
+    """End whatever of these requests is unfinished (a no-op for finished ones)."""
+    for request in requests:
+        engine.abort(request)
+
+
+async def until_disconnected(http: Request, work):
+    """Run the coroutine `work`, cancelled if the client disconnects first (its requests are
+    then aborted by the caller)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result()
+
+
+async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
+    """Server-sent events, one `data:` line per JSON object, ending with `data: [DONE]`. on_close
+    runs however it ends (a client that went away cancels this generator)."""
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+    except (EngineDead, APIError) as e:
+        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': 503}})}\n\n"
+    finally:
+        on_close()
+
+
+class Choices:
+    """The choices of one completions or chat call: n per prompt, choice index = prompt * n + sample."""
+
+    def __init__(self, requests: list, body: SamplingRequest, model: str, tokenizer, chat: bool):
+        self.requests, self.body, self.model, self.tokenizer, self.chat = requests, body, model, tokenizer, chat
+        self.n = body.n
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+
+    def usage(self, finals: dict[int, dict]) -> dict:
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
+        completion_tokens = sum(f["num_tokens"] for f in finals.values())
+        cached = sum(finals[i * self.n]["num_cached_tokens"] for i in range(len(self.requests))
+                     if i * self.n in finals)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- logprobs ---------------------------------------------------------------------------
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
+        """The logprobs of these tokens in the API's shape (chat's `content` list, or the
+        completions' parallel lists)."""
+        if entries is None:
+            return None
+        k = (self.body.top_logprobs or 0) if self.chat else self.body.logprobs
+        tokens, chosen, tops = [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            tokens.append(self._token(token_id))
+            chosen.append(entry[token_id])
+            tops.append(sorted(entry.items(), key=lambda item: -item[1])[:k])
+        if self.chat:
+            return {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": (s := self._token(i)), "logprob": v, "bytes": list(s.encode())}
+                                  for i, v in top]}
+                for t, lp, top in zip(tokens, chosen, tops)]}
+        offsets = []
+        for t in tokens:
+            offsets.append(text_offset)
+            text_offset += len(t)
+        return {"tokens": tokens, "token_logprobs": chosen, "text_offset": offsets,
+                "top_logprobs": [{self._token(i): v for i, v in top} for top in tops]}
+
+    # ---- one response -----------------------------------------------------------------------
+    async def collect(self) -> dict:
+        """Wait for every choice; the whole response."""
+        texts: dict[int, list[str]] = {}
+        ids: dict[int, list[int]] = {}
+        entries: dict[int, list[dict]] = {}
+        finals: dict[int, dict] = {}
+        async for i, update in updates(self.requests):
+            c = i * self.n + update["sample"]
+            texts.setdefault(c, []).append(update["text"] or "")
+            ids.setdefault(c, []).extend(update["token_ids"])
+            if "logprobs" in update:
+                entries.setdefault(c, []).extend(update["logprobs"])
+            if update["finished"]:
+                finals[c] = {"num_tokens": len(ids[c]), "num_cached_tokens": update["num_cached_tokens"],
+                             "finish_reason": update["finish_reason"], "stop_reason": update["stop_reason"]}
+        choices = []
+        for c in sorted(finals):
+            text = "".join(texts[c])
+            logprobs = self.logprobs(ids[c], entries.get(c), 0)
+            choice = {"index": c, "logprobs": logprobs, "finish_reason": finals[c]["finish_reason"],
+                      "stop_reason": finals[c]["stop_reason"]}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage(finals)}
+
+    async def stream(self) -> AsyncIterator[dict]:
+        """The response as chunks: chat sends each choice's role first, then content deltas; the
+        last chunk of a choice has its finish_reason; usage last when stream_options asks."""
+        include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        lengths: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
+        num_tokens: dict[int, int] = {}
+        finals: dict[int, dict] = {}
+
+        def chunk(choices: list[dict]) -> dict:
+            out = {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model,
+                   "choices": choices}
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        if self.chat:
+            yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for c in range(len(self.requests) * self.n)])
+        async for i, update in updates(self.requests):
+            c = i * self.n + update["sample"]
+            text = update["text"] or ""
+            num_tokens[c] = num_tokens.get(c, 0) + len(update["token_ids"])
+            if not text and not update["finished"] and "logprobs" not in update:
+                continue  # (its tokens' text is held back: an unfinished character or stop string)
+            logprobs = self.logprobs(update["token_ids"], update.get("logprobs"), lengths.get(c, 0))
+            lengths[c] = lengths.get(c, 0) + len(text)
+            finish = update["finish_reason"] if update["finished"] else None
+            if update["finished"]:
+                finals[c] = {"num_tokens": num_tokens[c], "num_cached_tokens": update["num_cached_tokens"]}
+            if self.chat:
+                choice = {"index": c, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                          "finish_reason": finish}
+            else:
+                choice = {"index": c, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if update["finished"]:
+                choice["stop_reason"] = update["stop_reason"]
+            yield chunk([choice])
+        if include_usage:
+            yield {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model,
+                   "choices": [], "usage": self.usage(finals)}
+
+
+def serve(args) -> int:
+    """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, then abort what is in
+    flight, stop the engine and return 0."""
+    import uvicorn
+
+    from nanovllm.cli import llm_from_args
+
+    llm = llm_from_args(args)
+    metrics = None if args.no_metrics else ServingMetrics()
+    engine = AsyncEngine(llm, args.max_queued_requests, metrics)
+    name = args.served_model_name or args.model
+    app = build_app(engine, name, args.api_key, metrics)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            """A signal is a request to stop: end every request in flight at once (their streams
+            close with finish_reason "abort"), so the graceful shutdown has nothing to wait for,
+            and do not re-raise the signal afterwards (uvicorn would, ending us with its status)."""
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+            engine.abort_all()
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"nanovllm: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
+                      flush=True)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   access_log=False, timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0 if server.started else 1

@@ -1,0 +1,252 @@
+"""The engine behind an asyncio front: one thread owns the engine and steps it; any number of
+coroutines submit requests and read their results, and the event loop never waits for a step.
+
+Everything that touches the engine (tokenizing, validating, queueing, aborting, stepping) runs on
+the engine thread, so the engine itself stays single-threaded. Coroutines talk to it through a
+thread-safe command queue; results flow back to each request's own asyncio queue.
+"""
+import asyncio
+import dataclasses
+import logging
+import threading
+from queue import Empty, SimpleQueue
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+
+class EngineMetrics(Protocol):
+    """What the engine thread reports as it goes (serving/metrics.py keeps Prometheus metrics)."""
+    def request_added(self, num_prompt_tokens: int): ...
+    def tokens_generated(self, num_tokens: int): ...
+    def sequence_finished(self, seq: Sequence): ...
+    def stepped(self, llm: LLMEngine): ...
+
+
+class QueueFull(Exception):
+    """max_queued_requests requests are already waiting: try again later."""
+
+
+class EngineDead(Exception):
+    """The engine thread failed (for example a tensor-parallel worker died); nothing more can run."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One submitted request: a prompt (a string, token ids, or chat messages to render with the
+    tokenizer's chat template) and its sampling parameters (fill_context: its max_tokens is what
+    the prompt leaves of max_model_len). Its updates arrive in `queue` as (request, update) pairs:
+    several requests of one API call may share a queue."""
+    prompt: str | list[int] | list[dict]
+    params: SamplingParams
+    fill_context: bool
+    stream: bool
+    queue: asyncio.Queue
+    accepted: asyncio.Future  # done once the engine thread has validated and queued it
+    samples: list[Sequence] = dataclasses.field(default_factory=list)  # the engine thread's
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def put(self, item: dict | BaseException):
+        """From the engine thread: hand an update (or the engine's failure) to the reader."""
+        self._call(self.queue.put_nowait, (self, item))
+
+    def settle(self, error: BaseException | None = None):
+        """From the engine thread: the request is queued (or refused with error)."""
+        self._call(_settle, self.accepted, error)
+
+    def _call(self, function, *args):
+        try:
+            self.accepted.get_loop().call_soon_threadsafe(function, *args)
+        except RuntimeError:  # its event loop is closed: nobody is reading any more
+            pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None):
+    if not future.done():  # (cancelled when the client went away first)
+        future.set_exception(error) if error is not None else future.set_result(None)
+
+
+async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
+    """(i, update) for the updates of requests[i] (LLMEngine.stream_update's dicts), as they come,
+    until every sample of every request has finished. The requests share one queue. A failure of
+    the engine is raised here."""
+    index = {id(request): i for i, request in enumerate(requests)}
+    left = sum(request.params.n for request in requests)
+    queue = requests[0].queue
+    while left:
+        request, item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        left -= item["finished"]
+        yield index[id(request)], item
+
+
+class AsyncEngine:
+    """Runs `llm` on a thread of its own. `submit()` queues a request and waits until it is
+    validated; `Request.updates()` yields its results; `abort()` ends it (a client that went
+    away). `stats` is a snapshot of the engine's queues and KV usage, refreshed every step."""
+
+    def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
+        self.llm = llm
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self.error: BaseException | None = None
+        self._commands: SimpleQueue = SimpleQueue()
+        self._num_submitted = 0  # add commands not yet taken by the engine thread
+        self._lock = threading.Lock()
+        self._by_seq: dict[int, Request] = {}  # seq_id -> its request (engine thread only)
+        self.stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        self._thread = threading.Thread(target=self._loop, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the asyncio side ---------------------------------------------------------------------
+    async def submit(self, prompt, params: SamplingParams, stream: bool = False, queue: asyncio.Queue | None = None,
+                     fill_context: bool = False) -> Request:
+        """Queue a request and wait until the engine thread has validated it; its updates then
+        arrive in `queue` (a new one when None; see `updates()`). stream: updates as tokens come
+        (else one per sample, at its end). fill_context: generate up to max_model_len (the API's
+        default when a request sets no max_tokens) instead of params.max_tokens. Raises the
+        engine's ValueError/TypeError for a bad request, QueueFull when max_queued_requests
+        requests are waiting already, EngineDead when the engine has failed."""
+        request = Request(prompt, params, fill_context, stream, queue if queue is not None else asyncio.Queue(),
+                          asyncio.get_running_loop().create_future())
+        with self._lock:  # (the engine thread sets error, and drains the commands, under it)
+            if self.error is not None:
+                raise EngineDead(f"the engine has failed: {self.error!r}")
+            if (self.max_queued_requests is not None
+                    and self._num_submitted + self.stats["num_waiting"] >= self.max_queued_requests):
+                raise QueueFull(f"{self.max_queued_requests} requests are already waiting (--max-queued-requests)")
+            self._num_submitted += 1
+            self._commands.put(("add", request))
+        try:
+            await request.accepted
+        except asyncio.CancelledError:  # the client went away before the engine answered
+            self.abort(request)
+            raise
+        return request
+
+    def abort(self, request: Request):
+        """End the request's unfinished samples and free their blocks (any thread; idempotent)."""
+        self._commands.put(("abort", request))
+
+    def abort_all(self):
+        """End every request in flight: each one's samples finish with finish_reason "abort"."""
+        self._commands.put(("abort_all", None))
+
+    def shutdown(self):
+        """Abort everything, stop the engine thread and the engine (its worker processes)."""
+        self._commands.put(("stop", None))
+        self._thread.join()
+        self.llm.shutdown()
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _loop(self):
+        llm = self.llm
+        try:
+            while True:
+                command = self._commands.get() if llm.is_finished() else self._next_command()
+                while command is not None:
+                    if command[0] == "stop":
+                        self._abort_all()
+                        self._refuse_the_rest(RuntimeError("the engine has been shut down"))
+                        return
+                    self._handle(*command)
+                    command = self._next_command()
+                if not llm.is_finished():
+                    self._deliver(llm.step())
+                self._snapshot()
+        except BaseException as e:  # nothing can run any more: tell everyone waiting
+            logger.exception("the engine failed; every request in flight fails with it")
+            for request in {id(r): r for r in self._by_seq.values()}.values():
+                request.put(EngineDead(f"the engine has failed: {e!r}"))
+            self._by_seq.clear()
+            self._refuse_the_rest(e)
+
+    def _refuse_the_rest(self, error: BaseException):
+        """The thread is ending: refuse every request submitted and not yet taken, and any later one."""
+        with self._lock:
+            self.error = error
+            while (command := self._next_command()) is not None:
+                if command[0] == "add":
+                    command[1].settle(EngineDead(f"the engine has failed: {error!r}"))
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except Empty:
+            return None
+
+    def _handle(self, kind: str, request: Request | None):
+        if kind == "add":
+            with self._lock:
+                self._num_submitted -= 1
+            try:
+                self._add(request)
+            except (ValueError, TypeError) as e:
+                request.settle(e)
+        elif kind == "abort":
+            self._abort(request)
+        elif kind == "abort_all":
+            self._abort_all()
+
+    def _add(self, request: Request):
+        llm, prompt = self.llm, request.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
+            prompt = llm.render_chat(prompt)
+        ids = llm._prompt_ids(prompt)
+        params = request.params
+        if request.fill_context:  # what the prompt leaves of the context
+            params = dataclasses.replace(params, max_tokens=max(1, llm.config.max_model_len - len(ids)))
+        request.samples = llm.add_request(ids, params, stream=request.stream)
+        request.prompt_token_ids = ids
+        for seq in request.samples:
+            self._by_seq[seq.seq_id] = request
+        if self.metrics is not None:
+            self.metrics.request_added(len(ids))
+        request.settle()
+
+    def _abort(self, request: Request):
+        for seq in request.samples:
+            if self._by_seq.pop(seq.seq_id, None) is not None:
+                self.llm.abort(seq)
+
+    def _abort_all(self):
+        """Abort every request and send each one's samples their last update."""
+        for request in {id(r): r for r in self._by_seq.values()}.values():
+            for seq in request.samples:
+                if seq.seq_id in self._by_seq:
+                    self.llm.abort(seq)
+                    self._send(request, seq)
+
+    def _deliver(self, updated: list[Sequence]):
+        for seq in updated:
+            request = self._by_seq.get(seq.seq_id)
+            if request is not None and (request.stream or seq.is_finished):
+                self._send(request, seq)
+
+    def _send(self, request: Request, seq: Sequence):
+        update = self.llm.stream_update(seq)
+        if update is None:
+            return
+        if self.metrics is not None:
+            self.metrics.tokens_generated(len(update["token_ids"]))
+        if update["finished"]:
+            del self._by_seq[seq.seq_id]
+            if self.metrics is not None:
+                self.metrics.sequence_finished(seq)
+        request.put(update)
+
+    def _snapshot(self):
+        llm = self.llm
+        bm = llm.block_manager
+        self.stats = {"num_running": len(llm.scheduler.running), "num_waiting": len(llm.scheduler.waiting),
+                      "kv_cache_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks}
+        if self.metrics is not None:
+            self.metrics.stepped(llm)

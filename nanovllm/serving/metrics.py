@@ -1,0 +1,64 @@
+"""Prometheus metrics of a serving engine, named as vLLM names its own (prefix `nanovllm:`).
+
+Gauges are read from the engine thread's last snapshot when scraped; counters and histograms are
+fed by the engine thread as it steps (prometheus-client is thread-safe).
+"""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.sequence import Sequence
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0)
+
+
+class ServingMetrics:
+    """The metrics of one server, in a registry of their own (so several can live in one process)."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("nanovllm:num_requests_running", "Sequences in the running batch.", registry=r)
+        self.waiting = Gauge("nanovllm:num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("nanovllm:kv_cache_usage_perc",
+                              "KV cache usage: blocks held by requests over all blocks (0 to 1).", registry=r)
+        self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens of the requests received.",
+                                     registry=r)
+        self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated and returned.", registry=r)
+        self.prefix_cache_hits = Counter("nanovllm:prefix_cache_hit_tokens",
+                                         "Prompt tokens served by the prefix cache.", registry=r)
+        self.preemptions = Counter("nanovllm:num_preemptions", "Sequences preempted (to be recomputed).",
+                                   registry=r)
+        self.ttft = Histogram("nanovllm:time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("nanovllm:time_per_output_token_seconds", "Mean time per output token after the first.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("nanovllm:e2e_request_latency_seconds", "Arrival to finish of a sequence.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self._cached_tokens = self._num_preemptions = 0  # the engine's cumulative counts, last seen
+
+    def request_added(self, num_prompt_tokens: int):
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens_generated(self, num_tokens: int):
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+
+    def sequence_finished(self, seq: Sequence):
+        m = seq.metrics()
+        if m["ttft_s"] is not None:
+            self.ttft.observe(m["ttft_s"])
+        if m["tpot_s"] is not None:
+            self.tpot.observe(m["tpot_s"])
+        self.e2e.observe(m["finish_time"] - m["arrival_time"])
+
+    def stepped(self, llm: LLMEngine):
+        bm, sched = llm.block_manager, llm.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set((bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
+        if bm.num_cached_tokens != self._cached_tokens:
+            self.prefix_cache_hits.inc(bm.num_cached_tokens - self._cached_tokens)
+            self._cached_tokens = bm.num_cached_tokens
+        if sched.num_preemptions != self._num_preemptions:
+            self.preemptions.inc(sched.num_preemptions - self._num_preemptions)
+            self._num_preemptions = sched.num_preemptions
