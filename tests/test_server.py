@@ -404,6 +404,13 @@ def test_queue_limit_no_template_and_sigterm(plain_model, tmp_path):
         server.stop()
 
 
+def test_sigint_exits_cleanly_too(plain_model, tmp_path):
+    server = Server(plain_model, tmp_path / "server.log")
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(10) == 0, server.log()
+    assert "Traceback" not in server.log()
+
+
 # ---- the serving benchmark and the chat CLI ----------------------------------------------------
 def test_bench_serving_reports_every_figure(server):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--base-url", server.url,
@@ -420,7 +427,8 @@ def test_bench_serving_reports_every_figure(server):
 
 
 def test_chat_cli_two_turns_the_second_from_the_cache(chat_model):
-    turns = "Tell me about paged attention and block tables, please.\nAnd prefix caching?\n/exit\n"
+    first = "Tell me about paged attention and block tables, please."
+    turns = f"{first}\nAnd prefix caching?\n/reset\n{first}\n/exit\n"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-m", "nanovllm", "chat", chat_model, "--temperature", "0",
                           "--max-tokens", "6", "--max-model-len", str(MAX_LEN), "--system",
@@ -428,9 +436,11 @@ def test_chat_cli_two_turns_the_second_from_the_cache(chat_model):
                          input=turns, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     summaries = [line for line in out.stdout.splitlines() if line.startswith("[") and "cached" in line]
-    assert len(summaries) == 2, out.stdout
+    assert len(summaries) == 3 and "(conversation cleared)" in out.stdout, out.stdout
+    prompt_tokens = [int(s[1:].split()[0]) for s in summaries]
     cached = [int(s.split(", ")[1].split()[0]) for s in summaries]
     assert cached[0] == 0 and cached[1] >= 16, summaries  # the first turn's prompt blocks
+    assert prompt_tokens[2] == prompt_tokens[0] and cached[2] >= 16, summaries  # after /reset: turn one again
 
 
 def test_chat_cli_refuses_a_model_without_a_template(plain_model):
