@@ -13,11 +13,13 @@ is a 4xx, never a 500, and never disturbs the other requests.
 """
 import asyncio
 import json
+import os
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -318,6 +320,11 @@ def serve(args) -> int:
 
     from nanovllm.cli import llm_from_args
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # On CPU, leave a core to the event loop: torch's intra-op threads spin-wait, and fighting
+        # them for every core slows the engine several times over.
+        torch.set_num_threads(max(1, torch.get_num_threads() - 1))
     llm = llm_from_args(args)
     metrics = None if args.no_metrics else ServingMetrics()
     engine = AsyncEngine(llm, args.max_queued_requests, metrics)
