@@ -334,19 +334,25 @@ def wait_for(condition, timeout: float = 5.0) -> bool:
     return condition()
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_request(server):
-    body = {"model": NAME, "prompt": "The quick", "max_tokens": MAX_LEN - 10, "stream": True, "ignore_eos": True}
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_request(server, stream):
+    body = {"model": NAME, "prompt": "The quick", "max_tokens": MAX_LEN - 10, "stream": stream, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
     before = server.metrics()["nanovllm:generation_tokens_total"]
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
-        lines = response.iter_lines()  # (kept: dropping it would close the stream)
-        assert next(line for line in lines if line.startswith("data:"))
-        assert wait_for(lambda: server.metrics()["nanovllm:num_requests_running"] == 1)
-        assert server.metrics()["nanovllm:kv_cache_usage_perc"] > 0
-    # closed mid-stream
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30, headers=headers) as response:
+            lines = response.iter_lines()  # (kept: dropping it would close the stream)
+            assert next(line for line in lines if line.startswith("data:"))
+            assert wait_for(lambda: server.metrics()["nanovllm:num_requests_running"] == 1)
+            assert server.metrics()["nanovllm:kv_cache_usage_perc"] > 0
+        # closed mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up, and closes the connection
+            httpx.post(server.url + "/v1/completions", json=body, timeout=1.0, headers=headers)
     assert wait_for(lambda: server.metrics()["nanovllm:num_requests_running"] == 0)
     assert wait_for(lambda: server.metrics()["nanovllm:kv_cache_usage_perc"] == 0)
     assert server.metrics()["nanovllm:generation_tokens_total"] - before < body["max_tokens"] / 2  # cut short
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_metrics_count_what_was_served(server, client):

@@ -31,6 +31,9 @@ from nanovllm.serving.metrics import ServingMetrics
 from nanovllm.serving.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, SamplingRequest)
 
 
+CREATED = int(time.time())  # the served model's `created`
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -152,9 +155,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     return app
 
 
-CREATED = int(time.time())
-
-
 def abort(engine: AsyncEngine, requests: list):
     """End whatever of these requests is unfinished (a no-op for finished ones)."""
     for request in requests:
@@ -162,8 +162,8 @@ def abort(engine: AsyncEngine, requests: list):
 
 
 async def until_disconnected(http: Request, work):
-    """Run the coroutine `work`, cancelled if the client disconnects first (its requests are
-    then aborted by the caller)."""
+    """Run the coroutine `work` and return its result; if the client disconnects first, cancel
+    it (the caller aborts its requests) and answer nobody."""
     task = asyncio.ensure_future(work)
 
     async def disconnected():
@@ -177,7 +177,12 @@ async def until_disconnected(http: Request, work):
         watch.cancel()
         if not task.done():
             task.cancel()
-    return task.result()
+    if task.cancelled():
+        return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
+    try:
+        return task.result()
+    except EngineDead as e:
+        raise APIError(503, str(e), "server_error") from e
 
 
 async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
