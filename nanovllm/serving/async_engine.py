@@ -189,7 +189,10 @@ class AsyncEngine:
                 self._num_submitted -= 1
             try:
                 self._add(request)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError) as e:  # a bad request
+                request.settle(e)
+            except Exception as e:  # a request that trips a bug: it fails, the others go on
+                logger.exception("a request could not be queued")
                 request.settle(e)
         elif kind == "abort":
             self._abort(request)
