@@ -34,6 +34,19 @@ PRESETS = {
     "qwen3-tiny": dict(vocab_size=16384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
+    # Qwen3-30B-A3B exactly (its config.json), bf16: 128 experts, 8 per token; ~61 GB of weights
+    "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, dtype="bfloat16"),
+    # its shape at toy size, for a CPU smoke run of a mixture of experts
+    "qwen3-moe-tiny": dict(architecture="Qwen3MoeForCausalLM", vocab_size=16384, hidden_size=256,
+                           intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                           num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096,
+                           rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
 }
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 MAX_TOKEN_ID = 10000  # prompt token ids are drawn from [0, MAX_TOKEN_ID]
@@ -55,10 +68,12 @@ def make_workload(num_seqs=256, min_input_len=100, max_input_len=1024, min_outpu
 
 
 def write_dummy_config(preset: str) -> str:
-    from transformers import Qwen3Config
+    import transformers
+    settings = dict(PRESETS[preset])
+    architecture = settings.pop("architecture", "Qwen3ForCausalLM")
     path = tempfile.mkdtemp(prefix=f"nanovllm-{preset}-")
-    config = Qwen3Config(**PRESETS[preset])
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**settings)
+    config.architectures = [architecture]
     config.save_pretrained(path)
     return path
 

@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 
@@ -53,3 +55,21 @@ def test_timeline_draws_every_step(tmp_path):
                          "--num-kvcache-blocks", "24", "--timeline", str(png)])
     assert result["timeline"] == str(png) and result["num_preemptions"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_moe_presets():
+    """--dummy qwen3-30b-a3b is Qwen3-30B-A3B's shape (30.5B parameters, built here on the meta
+    device), and its toy twin runs on CPU."""
+    from transformers import AutoConfig
+
+    from nanovllm.models import resolve_model_class
+    config = AutoConfig.from_pretrained(bench.write_dummy_config("qwen3-30b-a3b"))
+    model_class = resolve_model_class(config, 4096)
+    assert model_class.__name__ == "Qwen3MoeForCausalLM"
+    with torch.device("meta"):
+        model = model_class(config, 4096)
+    assert 30.4e9 < sum(p.numel() for p in model.parameters()) < 30.6e9
+    result = bench.main(["--dummy", "qwen3-moe-tiny", "--num-seqs", "8", "--min-input-len", "8", "--max-input-len", "32",
+                         "--min-output-len", "4", "--max-output-len", "16", "--device", "cpu", "--max-model-len", "64"])
+    _, max_tokens = bench.make_workload(8, 8, 32, 4, 16, 0, 16384)
+    assert result["output_tokens"] == sum(max_tokens)

@@ -119,8 +119,8 @@ def edited_copy(src, dst, **changes):
 def test_unsupported_architecture(family_dir, tmp_path):
     folder = edited_copy(family_dir("mistral"), tmp_path / "fancy", architectures=["FancyNewForCausalLM"])
     with pytest.raises(ValueError, match=r"unsupported model architecture 'FancyNewForCausalLM'; supported: "
-                                         r"\['LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM', "
-                                         r"'Qwen3ForCausalLM'\]"):
+                                         r"\['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
+                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         LLM(folder)
 
 

@@ -112,10 +112,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, flags: DecoderFlags):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, flags: DecoderFlags, mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, rotary_emb, flags)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias)
+        self.mlp = mlp  # a GatedMLP, or a mixture of experts
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -130,12 +130,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int, flags: DecoderFlags):
+    def __init__(self, config: PretrainedConfig, max_position: int, flags: DecoderFlags, build_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one cos/sin table for all layers (they all rotate alike); a buffer, so no checkpoint name
         rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, flags) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, flags, build_mlp(config, i, flags))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -149,8 +150,10 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The causal LM: decoder body, LM head (tied to the embeddings when the config says so).
 
-    A family subclasses it and overrides `flags` (and `check_config` for checks of its own).
-    `max_position` is the engine's max_model_len: the longest sequence the model will see.
+    A family subclasses it and overrides `flags` (and `check_config` for checks of its own;
+    `build_mlp` for layers whose MLP is not the gated one, `checkpoint_target` for checkpoint
+    names the packing below does not cover). `max_position` is the engine's max_model_len: the
+    longest sequence the model will see.
     """
     # checkpoint name fragment -> (our packed parameter's name fragment, shard id)
     packed_modules_mapping = {
@@ -166,10 +169,23 @@ class DecoderForCausalLM(nn.Module):
     def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):
         check_decoder_config(config, max_model_len)
 
+    @staticmethod
+    def build_mlp(config: PretrainedConfig, layer_index: int, flags: DecoderFlags) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias)
+
+    def checkpoint_target(self, name: str) -> tuple[str | None, object]:
+        """Where checkpoint tensor `name` goes: (our parameter's name, shard id or None). A name
+        that `packed_modules_mapping` lists goes to the packed parameter, with its shard id."""
+        for part, (packed_part, shard_id) in self.packed_modules_mapping.items():
+            if part in name:
+                return name.replace(part, packed_part), shard_id
+        return name, None
+
     def __init__(self, config: PretrainedConfig, max_position: int):
         super().__init__()
         self.check_config(config, max_position)
-        self.model = DecoderModel(config, max_position, self.flags(config))
+        self.config = config
+        self.model = DecoderModel(config, max_position, self.flags(config), self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

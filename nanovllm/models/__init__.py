@@ -5,9 +5,12 @@ from transformers import PretrainedConfig
 def _registry() -> dict:
     from nanovllm.models.llama import LlamaForCausalLM
     from nanovllm.models.mistral import MistralForCausalLM
+    from nanovllm.models.mixtral import MixtralForCausalLM
     from nanovllm.models.qwen2 import Qwen2ForCausalLM
     from nanovllm.models.qwen3 import Qwen3ForCausalLM
-    return {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+    return {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
+                                          Qwen3ForCausalLM, Qwen3MoeForCausalLM)}
 
 
 def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None = None):

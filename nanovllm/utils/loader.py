@@ -54,16 +54,16 @@ def load_param(model: nn.Module, name: str, param: nn.Parameter, loaded: torch.T
 def load_model(model: nn.Module, path: str):
     """Copy every checkpoint tensor into its parameter through its module's weight_loader.
 
-    Checkpoint names are Hugging Face's; `packed_modules_mapping` redirects the parts of packed
-    matrices (q/k/v, gate/up) to the packed parameter with their shard id. Raises ValueError when
-    a file cannot be read, a tensor's shape is not the one config.json implies, a parameter gets no
+    Checkpoint names are Hugging Face's; the model's `checkpoint_target(name)` redirects the parts
+    of packed matrices (q/k/v, gate/up, a layer's experts) to the packed parameter with their shard
+    id. Raises ValueError when a file cannot be read, a tensor's shape is not the one config.json
+    implies, a parameter (or a part of a packed one that says so: `missing_shards()`) gets no
     weight, or a checkpoint tensor has no parameter to go to (a model option this implementation
     does not know would otherwise be silently dropped).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r} (use load_format='dummy' for random weights)")
-    packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -74,11 +74,7 @@ def load_model(model: nn.Module, path: str):
             raise ValueError(f"cannot read weights file {file!r}: {e}") from e
         with f:
             for name in f.keys():
-                target, shard_id = name, None
-                for part, (packed_part, packed_shard) in packed.items():
-                    if part in name:
-                        target, shard_id = name.replace(part, packed_part), packed_shard
-                        break
+                target, shard_id = model.checkpoint_target(name)
                 if target not in params:
                     if shard_id is not None or not name.endswith(IGNORED_TENSOR_SUFFIXES):
                         unexpected.append(name)
@@ -98,6 +94,8 @@ def load_model(model: nn.Module, path: str):
                          f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
     shared = {n for n, p in params.items() if any(p is params[m] for m in loaded)}  # tied weights
     missing = sorted(set(params) - loaded - shared)
+    missing += [f"{name}.{shard}" for name, module in model.named_modules() if hasattr(module, "missing_shards")
+                for shard in module.missing_shards()]
     if missing:
         raise ValueError(f"checkpoint in {path!r} has no weights for {missing[:5]}"
                          f"{' and more' if len(missing) > 5 else ''}")

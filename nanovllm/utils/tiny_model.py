@@ -49,7 +49,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    # mixtures of experts: 4 experts, 2 per token (Qwen3-MoE's experts moe_intermediate_size wide)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+                "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
 
 
 def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, chat_template: bool = False,
@@ -72,6 +77,7 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                     initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,
                     dtype="float32")
+    settings.update(MOE_SETTINGS.get(arch, {}))
     settings.update(overrides)
     config_class, model_class = (getattr(transformers, name) for name in FAMILIES[arch])
     config = config_class(**settings)

@@ -1,0 +1,193 @@
+"""The fused mixture-of-experts kernel: every token's top-k experts in two Triton launches.
+
+Each token t sends its hidden row to k experts; (t, slot j) is a "pair", P = T * k pairs in all,
+pair p = t * k + j. An expert's gated MLP is a pair of matmuls, so the pairs are grouped by expert
+and each group runs as one tiled matmul against that expert's weights:
+
+  align_by_expert   (plain PyTorch) sorts the pairs by expert and pads each expert's run to a
+                    multiple of BLOCK_M with the sentinel P, so a tile of BLOCK_M sorted pairs
+                    belongs to one expert only; block_expert[b] names the expert of tile b.
+  _gate_up_kernel   grid (tiles of BLOCK_M pairs, tiles of BLOCK_N intermediate columns): gathers
+                    the rows x[p // k] of its pairs, multiplies them by the expert's gate rows and
+                    up rows (two fp32 accumulators over the hidden dimension), and writes
+                    silu(gate) * up to row p of an intermediate buffer [P, I].
+  _down_kernel      the same grid over hidden columns: intermediate rows times the expert's w2,
+                    scaled by the pair's routing weight, written to row p of out_pairs [P, H] (fp32).
+Then out = out_pairs.view(T, k, H).sum(1): each token adds up its k slots.
+
+Nothing here reads a device value on the host, so a CUDA graph can capture it: the buffers and
+the grid are sized from the static bound max_padded = P + E * (BLOCK_M - 1) (rounded up to a
+whole tile), the actual padded length num_padded stays on the device, and tiles at or past it
+return at once.
+
+Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on
+CPU tensors through Triton's interpreter; that is how the tests check them against torch_experts.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# Tiles. tl.dot needs >= 16 rows and columns. BLOCK_M = pairs per tile: 16 while an average
+# expert gets fewer than LARGE_BLOCK_M pairs (decode: mostly padding otherwise), 64 beyond.
+SMALL_BLOCK_M = 16
+LARGE_BLOCK_M = 64
+BLOCK_N = 64                   # output columns per program (bf16/fp16)
+BLOCK_K = 32                   # reduction step
+BLOCK_N_FP32 = 32              # fp32 takes the exact ("ieee") FMA path: smaller tiles, fewer registers
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(x_ptr, w13_ptr, mid_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+                    num_pairs, hidden, inter,
+                    s_xt, s_xh, s_we, s_wn, s_wk, s_mp, s_mi,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (max_padded / BLOCK_M, cdiv(I, BLOCK_N)): mid[p] = silu(x[p // k] @ gate.T) * (x[p // k] @ up.T)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):       # past the padded pairs: nothing to do
+        return
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))   # int64; P = padding
+    pair_ok = pair < num_pairs
+    token = pair // TOP_K
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * s_xt + offs_k[None, :] * s_xh                  # [BLOCK_M, BLOCK_K]
+    gate_ptrs = w13_ptr + expert * s_we + offs_n[None, :] * s_wn + offs_k[:, None] * s_wk  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + inter * s_wn                   # the up rows follow the gate rows
+
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        xt = tl.load(x_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        acc_gate = tl.dot(xt, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(xt, up, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * s_xh
+        gate_ptrs += BLOCK_K * s_wk
+        up_ptrs += BLOCK_K * s_wk
+
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # silu(gate) * up, in fp32
+    tl.store(mid_ptr + pair[:, None] * s_mp + offs_n[None, :] * s_mi, act.to(mid_ptr.dtype.element_ty),
+             mask=pair_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(mid_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr,
+                 num_pairs, hidden, inter,
+                 s_mp, s_mi, s_we, s_wn, s_wk, s_op, s_oh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Grid (max_padded / BLOCK_M, cdiv(H, BLOCK_N)): out_pairs[p] = weights[p] * (mid[p] @ w2[e].T)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    mid_ptrs = mid_ptr + pair[:, None] * s_mp + offs_k[None, :] * s_mi              # [BLOCK_M, BLOCK_K]
+    w_ptrs = w2_ptr + expert * s_we + offs_n[None, :] * s_wn + offs_k[:, None] * s_wk   # [BLOCK_K, BLOCK_N]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = offs_k < inter - k0
+        a = tl.load(mid_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        mid_ptrs += BLOCK_K * s_mi
+        w_ptrs += BLOCK_K * s_wk
+
+    weight = tl.load(weights_ptr + pair, mask=pair_ok, other=0.0)                   # fp32 routing weight
+    tl.store(out_ptr + pair[:, None] * s_op + offs_n[None, :] * s_oh, acc * weight[:, None],
+             mask=pair_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
+    """Large tiles once an average expert fills one; small ones otherwise (less padding)."""
+    return LARGE_BLOCK_M if num_pairs >= LARGE_BLOCK_M * num_experts else SMALL_BLOCK_M
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, slot) pairs of ids [T, k] by expert, each expert's run padded to whole tiles.
+
+    Returns (sorted_pairs [max_padded] int64: pair indices t * k + j, the sentinel P in padding;
+    block_expert [max_padded / block_m] int64: the expert of each tile; num_padded [1] int64: the
+    padded length, on the device). max_padded = P + E * (block_m - 1) rounded up to a multiple of
+    block_m bounds any routing; tiles past num_padded hold sentinels (their block_expert is E - 1).
+    No host sync and no data-dependent shape: CUDA-graph safe.
+    """
+    flat = ids.flatten().to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)                        # where each expert's padded run ends
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts                    # and where its run starts without padding
+
+    order = torch.argsort(flat, stable=True)             # pair indices, grouped by expert
+    expert = flat[order]
+    rank = torch.arange(num_pairs, device=device) - start[expert]     # position within its expert's run
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int64, device=device)
+    sorted_pairs.scatter_(0, padded_start[expert] + rank, order)
+
+    tile_start = torch.arange(0, max_padded, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_expert, padded_end[-1:]
+
+
+def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """The fused experts, same contract as torch_experts in layers/moe.py.
+
+    x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights [T, k] float32;
+    ids [T, k] int64. Returns [T, H] in x.dtype.
+    """
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = w2.shape
+    if w13.shape != (num_experts, 2 * inter, hidden) or x.shape != (num_tokens, hidden):
+        raise ValueError(f"shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, ids {tuple(ids.shape)}")
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    block_m = choose_block_m(num_pairs, num_experts)
+    sorted_pairs, block_expert, num_padded = align_by_expert(ids, num_experts, block_m)
+    num_tiles = block_expert.shape[0]
+    fp32 = x.dtype == torch.float32
+    block_n = BLOCK_N_FP32 if fp32 else BLOCK_N
+    precision = "ieee" if fp32 else "tf32"               # fp32 would otherwise go through TF32
+
+    mid = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
+        x, w13, mid, sorted_pairs, block_expert, num_padded, num_pairs, hidden, inter,
+        *x.stride(), *w13.stride(), *mid.stride(),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
+        num_warps=4, num_stages=3)
+
+    out_pairs = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
+    flat_weights = weights.reshape(-1).to(torch.float32)
+    _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
+        mid, w2, out_pairs, flat_weights, sorted_pairs, block_expert, num_padded, num_pairs, hidden, inter,
+        *mid.stride(), *w2.stride(), *out_pairs.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, DOT_PRECISION=precision,
+        num_warps=4, num_stages=3)
+    return out_pairs.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
