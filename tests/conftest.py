@@ -25,6 +25,20 @@ def tied_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """tiny_models(table, name): the folder of table[name] = (arch, seed, build_model overrides),
+    built on first use."""
+    built = {}
+
+    def get(table, name):
+        if name not in built:
+            arch, seed, overrides = table[name]
+            built[name] = build_model(str(tmp_path_factory.mktemp(name)), arch=arch, seed=seed, **overrides)
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="session")
 def prompts():
     """8 random prompts, 1 to 300 tokens long."""
     rng = random.Random(0)

@@ -18,3 +18,15 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
     tokens = out[0, len(prompt_ids):].tolist()
     assert len(tokens) == max_new_tokens, "the reference stopped early"
     return tokens
+
+
+def assert_greedy_matches_hf(llm, path: str, prompts: list, reference, params) -> list[dict]:
+    """llm's greedy outputs of prompts (ignore_eos params) equal reference(path, prompt, n), token
+    for token, and no KV block leaked; returns the outputs."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outputs) == len(prompts)
+    for prompt, out in zip(prompts, outputs):
+        assert out["token_ids"] == reference(path, prompt, params.max_tokens), f"prompt of {len(prompt)} tokens"
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
+    return outputs

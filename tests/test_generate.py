@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from hf_reference import assert_greedy_matches_hf
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -18,13 +19,8 @@ def make_llm(path, **kwargs):
 
 
 def check_equal(llm, path, prompts, reference, params=GREEDY):
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert len(outputs) == len(prompts)
-    for prompt, out in zip(prompts, outputs):
-        assert out["token_ids"] == reference(path, prompt, params.max_tokens), f"prompt of {len(prompt)} tokens"
-        assert out["finish_reason"] == "length"
-    stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
+    outputs = assert_greedy_matches_hf(llm, path, prompts, reference, params)
+    assert all(out["finish_reason"] == "length" for out in outputs)
     return outputs
 
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_reference import assert_greedy_matches_hf
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.layers.rotary_embedding import rope_inv_freq, rope_parameters
-from nanovllm.utils.tiny_model import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 MAX_MODEL_LEN = 400
@@ -32,24 +32,14 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def family_dir(tmp_path_factory):
+@pytest.fixture
+def family_dir(tiny_models):
     """family_dir(name): the folder of MODELS[name], built on first use."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            arch, seed, overrides = MODELS[name]
-            built[name] = build_model(str(tmp_path_factory.mktemp(name)), arch=arch, seed=seed, **overrides)
-        return built[name]
-    return get
+    return lambda name: tiny_models(MODELS, name)
 
 
 def check(llm, path, prompts, reference):
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out["token_ids"] == reference(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"], "blocks leaked"
+    assert_greedy_matches_hf(llm, path, prompts, reference, GREEDY)
 
 
 @pytest.mark.parametrize("name", MODELS)

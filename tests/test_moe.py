@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
+from hf_reference import assert_greedy_matches_hf
 from nanovllm.layers.moe import route, torch_experts
-from nanovllm.utils.tiny_model import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 MAX_MODEL_LEN = 400
@@ -24,23 +24,9 @@ MODELS = {
 }
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            arch, seed, overrides = MODELS[name]
-            built[name] = build_model(str(tmp_path_factory.mktemp(name)), arch=arch, seed=seed, **overrides)
-        return built[name]
-    return get
-
-
-def check(llm, path, prompts, reference, params=GREEDY):
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert out["token_ids"] == reference(path, prompt, params.max_tokens), f"prompt of {len(prompt)} tokens"
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"], "blocks leaked"
+@pytest.fixture
+def moe_dir(tiny_models):
+    return lambda name: tiny_models(MODELS, name)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -49,8 +35,8 @@ def test_moe_matches_hf_alone_and_batched(name, moe_dir, prompts, reference):
     llm = LLM(path, max_model_len=MAX_MODEL_LEN)
     sparse = [type(layer.mlp).__name__ == "SparseMoE" for layer in llm.model_runner.model.model.layers]
     assert sparse == {"qwen3_moe": [False, True], "qwen3_moe_step2": [False, True]}.get(name, [True, True])
-    check(llm, path, prompts[2:3], reference)  # alone
-    check(llm, path, prompts, reference)       # batched
+    assert_greedy_matches_hf(llm, path, prompts[2:3], reference, GREEDY)  # alone
+    assert_greedy_matches_hf(llm, path, prompts, reference, GREEDY)       # batched
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -59,8 +45,8 @@ def test_moe_with_chunked_prefill_and_prefix_caching(name, moe_dir, prompts, ref
     llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, kvcache_block_size=16)
     shared = prompts[-1][:200]
     family = [shared + p[:20] for p in prompts[:4]]  # a long common prefix: chunked, then served from cache
-    check(llm, path, family, reference)
-    check(llm, path, family, reference)
+    assert_greedy_matches_hf(llm, path, family, reference, GREEDY)
+    assert_greedy_matches_hf(llm, path, family, reference, GREEDY)
     assert llm.stats()["num_cached_tokens"] >= 4 * 192
 
 
@@ -68,7 +54,7 @@ def test_moe_with_chunked_prefill_and_prefix_caching(name, moe_dir, prompts, ref
 def test_moe_tp2_matches_hf(name, moe_dir, prompts, reference):
     path = moe_dir(name)
     with LLM(path, tensor_parallel_size=2, max_model_len=MAX_MODEL_LEN) as llm:
-        check(llm, path, prompts, reference)
+        assert_greedy_matches_hf(llm, path, prompts, reference, GREEDY)
 
 
 # ---- the router and the reference expert computation ------------------------------------------

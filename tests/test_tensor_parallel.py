@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from hf_reference import assert_greedy_matches_hf
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.scheduler import plan_step
 from nanovllm.engine.sequence import SeqState, Sequence
@@ -55,10 +56,7 @@ def one_kv_head_dir(tmp_path_factory):
 
 
 def check(llm, path, prompts, reference, params=GREEDY):
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o["token_ids"] for o in outputs] == [reference(path, p, params.max_tokens) for p in prompts]
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
-    return outputs
+    return assert_greedy_matches_hf(llm, path, prompts, reference, params)
 
 
 def test_tp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
