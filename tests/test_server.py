@@ -39,16 +39,18 @@ def free_port() -> int:
 class Server:
     """`python -m nanovllm serve` in a subprocess, its output in a log file."""
 
-    def __init__(self, model: str, log_path, *flags: str, max_model_len: int = MAX_LEN):
+    def __init__(self, model: str, log_path, *flags: str, max_model_len: int = MAX_LEN, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        env.pop("NANOVLLM_API_KEY", None)
+        environment = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        environment.pop("NANOVLLM_API_KEY", None)
+        environment.update(env or {})
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "nanovllm", "serve", model, "--port", str(self.port),
-                 "--max-model-len", str(max_model_len), *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+                 "--max-model-len", str(max_model_len), *flags], stdout=log, stderr=subprocess.STDOUT,
+                env=environment)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -408,6 +410,27 @@ def test_queue_limit_no_template_and_sigterm(plain_model, tmp_path):
         assert time.monotonic() - start < 10
     finally:
         server.stop()
+
+
+def test_tensor_parallel_server_with_the_key_from_the_environment(plain_model, tmp_path):
+    """--tensor-parallel-size 2 (worker processes behind the engine thread), NANOVLLM_API_KEY as
+    the key; SIGTERM ends the workers too."""
+    server = Server(plain_model, tmp_path / "server.log", "--tensor-parallel-size", "2", max_model_len=128,
+                    env={"NANOVLLM_API_KEY": "from-env"})
+    try:
+        workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
+                                                      text=True).stdout.split()]
+        assert http(server, "GET", "/v1/models", key=KEY).status_code == 401
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        response = http(server, "POST", "/v1/completions", key="from-env", json=body)
+        assert response.status_code == 200, response.text
+        with LLM(plain_model, max_model_len=128) as reference:
+            expected = reference.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY),
+                                          use_tqdm=False)[0]
+        assert response.json()["choices"][0]["text"] == expected["text"]
+    finally:
+        assert server.stop() == 0, server.log()
+    assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), timeout=15)
 
 
 def test_sigint_exits_cleanly_too(plain_model, tmp_path):
