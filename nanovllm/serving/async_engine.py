@@ -51,9 +51,10 @@ class Request:
     samples: list[Sequence] = dataclasses.field(default_factory=list)  # the engine thread's
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
 
-    def put(self, item: dict | BaseException):
-        """From the engine thread: hand an update (or the engine's failure) to the reader."""
-        self._call(self.queue.put_nowait, (self, item))
+    def fail(self, error: BaseException):
+        """From the engine thread: the engine failed; the reader gets the error. (Updates go
+        through AsyncEngine._flush, a step's worth at a time.)"""
+        self._call(self.queue.put_nowait, (self, error))
 
     def settle(self, error: BaseException | None = None):
         """From the engine thread: the request is queued (or refused with error)."""
@@ -64,6 +65,11 @@ class Request:
             self.accepted.get_loop().call_soon_threadsafe(function, *args)
         except RuntimeError:  # its event loop is closed: nobody is reading any more
             pass
+
+
+def _put_all(items: list[tuple[Request, dict]]):
+    for request, update in items:
+        request.queue.put_nowait((request, update))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None):
@@ -102,6 +108,7 @@ class AsyncEngine:
         self._num_submitted = 0  # add commands not yet taken by the engine thread
         self._lock = threading.Lock()
         self._by_seq: dict[int, Request] = {}  # seq_id -> its request (engine thread only)
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # updates of this step, per event loop
         self.stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         self._thread = threading.Thread(target=self._loop, name="nanovllm-engine", daemon=True)
         self._thread.start()
@@ -155,17 +162,19 @@ class AsyncEngine:
                 while command is not None:
                     if command[0] == "stop":
                         self._abort_all()
+                        self._flush()
                         self._refuse_the_rest(RuntimeError("the engine has been shut down"))
                         return
                     self._handle(*command)
                     command = self._next_command()
                 if not llm.is_finished():
                     self._deliver(llm.step())
+                self._flush()
                 self._snapshot()
         except BaseException as e:  # nothing can run any more: tell everyone waiting
             logger.exception("the engine failed; every request in flight fails with it")
             for request in {id(r): r for r in self._by_seq.values()}.values():
-                request.put(EngineDead(f"the engine has failed: {e!r}"))
+                request.fail(EngineDead(f"the engine has failed: {e!r}"))
             self._by_seq.clear()
             self._refuse_the_rest(e)
 
@@ -244,7 +253,16 @@ class AsyncEngine:
             del self._by_seq[seq.seq_id]
             if self.metrics is not None:
                 self.metrics.sequence_finished(seq)
-        request.put(update)
+        self._outbox.setdefault(request.accepted.get_loop(), []).append((request, update))
+
+    def _flush(self):
+        """Hand this step's updates over: one wake-up of each event loop, not one per update."""
+        for loop, items in self._outbox.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed: nobody is reading any more
+                pass
+        self._outbox = {}
 
     def _snapshot(self):
         llm = self.llm
