@@ -15,7 +15,6 @@ HELP = "/reset clears the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a r
 def chat(args) -> int:
     from nanovllm.cli import llm_from_args
 
-    out = sys.stdout
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     llm = llm_from_args(args)
@@ -25,12 +24,12 @@ def chat(args) -> int:
             return 2
         opening = [{"role": "system", "content": args.system}] if args.system else []
         messages = list(opening)
-        print(f"nanovllm chat with {args.model} ({HELP})", file=out, flush=True)
+        print(f"nanovllm chat with {args.model} ({HELP})", flush=True)
         while True:
             try:
                 line = input("> ")
             except (EOFError, KeyboardInterrupt):
-                print(file=out)
+                print()
                 return 0
             command = line.strip()
             if not command:
@@ -39,7 +38,7 @@ def chat(args) -> int:
                 return 0
             if command == "/reset":
                 messages = list(opening)
-                print("(conversation cleared)", file=out, flush=True)
+                print("(conversation cleared)", flush=True)
                 continue
             messages.append({"role": "user", "content": line})
             ids = llm.render_chat(messages)
@@ -47,24 +46,24 @@ def chat(args) -> int:
             if room < 1:
                 messages.pop()
                 print(f"(the conversation fills max_model_len={llm.config.max_model_len}: /reset to start over)",
-                      file=out, flush=True)
+                      flush=True)
                 continue
             reply, num_tokens, final = [], 0, None
             stream = llm.stream([ids], dataclasses.replace(params, max_tokens=min(params.max_tokens, room)))
             try:
                 for update in stream:
                     if update["text"]:
-                        print(update["text"], end="", file=out, flush=True)
+                        print(update["text"], end="", flush=True)
                         reply.append(update["text"])
                     num_tokens += len(update["token_ids"])
                     if update["finished"]:
                         final = update
             except KeyboardInterrupt:
                 stream.close()  # aborts the reply
-                print("\n(stopped)", end="", file=out)
+                print("\n(stopped)", end="")
             messages.append({"role": "assistant", "content": "".join(reply)})
             cached = final["num_cached_tokens"] if final is not None else "?"
             reason = final["finish_reason"] if final is not None else "abort"
             print(f"\n[{len(ids)} prompt tokens, {cached} cached, {num_tokens} generated, {reason}]",
-                  file=out, flush=True)
+                  flush=True)
 
