@@ -91,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise SystemExit(f"nanovllm serve: --max-queued-requests must be >= 1, got {args.max_queued_requests}")
         try:
-            from nanovllm.serving.api_server import serve
+            from nanovllm.entrypoints.api_server import serve
         except ImportError as e:
             raise SystemExit(f"nanovllm serve needs the serve extra ({e.name} is missing): "
                              "pip install 'nanovllm[serve]'") from e
         return serve(args)
-    from nanovllm.serving.chat import chat
+    from nanovllm.entrypoints.chat import chat
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return chat(args)
 

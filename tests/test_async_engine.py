@@ -1,4 +1,4 @@
-"""The engine behind asyncio (serving/async_engine.py), in process: many coroutines share one
+"""The engine behind asyncio (entrypoints/async_engine.py), in process: many coroutines share one
 engine thread; each gets exactly its own results; bad requests, aborts and a failing engine
 disturb nobody else; and the `nanovllm` command's flags are LLM's options."""
 import asyncio
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.serving.async_engine import AsyncEngine, EngineDead, QueueFull, updates
+from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

@@ -4,10 +4,10 @@
     GET  /v1/models              the served model
     POST /v1/completions         prompt(s) -> text, streamed as server-sent events on request
     POST /v1/chat/completions    messages, rendered by the tokenizer's chat template
-    GET  /metrics                Prometheus metrics (serving/metrics.py)
+    GET  /metrics                Prometheus metrics (entrypoints/metrics.py)
 
 Concurrent requests share the engine's continuous batching: each HTTP request becomes one engine
-request per prompt, and the engine thread (serving/async_engine.py) steps them all together.
+request per prompt, and the engine thread (entrypoints/async_engine.py) steps them all together.
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}; a client's mistake
 is a 4xx, never a 500, and never disturbs the other requests.
 """
@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.serving.async_engine import AsyncEngine, EngineDead, QueueFull, updates
-from nanovllm.serving.metrics import ServingMetrics
-from nanovllm.serving.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, SamplingRequest)
+from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
+from nanovllm.entrypoints.metrics import ServingMetrics
+from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, SamplingRequest)
 
 
 CREATED = int(time.time())  # the served model's `created`
