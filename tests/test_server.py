@@ -216,6 +216,10 @@ def test_logprobs_in_both_formats(client, llm):
         # (keyed by token text, as OpenAI's format is: tokens that decode alike share a key)
         assert 1 <= len(top) <= 3 and {round(v, 4) for v in top.values()} <= {round(v, 4) for v in entry.values()}
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == response.choices[0].text
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=5, logprobs=3, stream=True, **GREEDY) if c.choices[0].logprobs]
+    assert [v for chunk in streamed for v in chunk.token_logprobs] == lp.token_logprobs
+    assert [t for chunk in streamed for t in chunk.tokens] == lp.tokens
 
     messages = [{"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2,
