@@ -70,6 +70,23 @@ def test_a_bad_request_is_refused_and_the_others_finish(llm):
         engine.shutdown()
 
 
+def test_the_prompts_of_one_call_are_queued_all_or_none(llm):
+    engine = AsyncEngine(llm)
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.submit_all([[1, 2], [3, 10**6], [4, 5]], long)
+        requests = await engine.submit_all([[1, 2], [3, 4]], GREEDY)
+        return [u for _, u in [x async for x in updates(requests)] if u["finished"]]
+    try:
+        finals = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(finals) == 2
+    assert llm.scheduler.is_finished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
 def test_max_tokens_none_takes_what_the_context_leaves(llm):
     engine = AsyncEngine(llm)
     try:
@@ -111,12 +128,15 @@ def test_queue_limit(model_dir):
     long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 
     async def main():
+        async def until(condition):
+            for _ in range(500):
+                if condition():
+                    return
+                await asyncio.sleep(0.01)
         await engine.submit([1], long)  # runs, in the one sequence slot
+        await until(lambda: engine.stats["num_running"] == 1)
         await engine.submit([2], long)  # waits
-        for _ in range(500):
-            if engine.stats["num_waiting"] == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.stats["num_waiting"] == 1)
         with pytest.raises(QueueFull, match="1 requests are already waiting"):
             await engine.submit([3], GREEDY)
         engine.abort_all()

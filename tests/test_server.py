@@ -231,6 +231,13 @@ def test_logprobs_in_both_formats(client, llm):
         assert item.bytes == list(item.token.encode())
 
 
+def test_completions_default_to_16_tokens_and_chat_to_the_context(client):
+    body = dict(model=NAME, extra_body={"ignore_eos": True}, **GREEDY)
+    assert client.completions.create(prompt="hi", **body).usage.completion_tokens == 16
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **body)
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_LEN
+
+
 def test_cached_tokens_on_a_repeated_long_prompt(client):
     prompt = list(range(10, 130))  # 120 tokens: seven full 16-token blocks
     first = client.completions.create(model=NAME, prompt=prompt, max_tokens=2, **GREEDY)
@@ -259,7 +266,9 @@ def error_of(response: httpx.Response, status: int) -> dict:
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": [1, 2, 100000]}, None, "outside the vocabulary"),
     ({"prompt": "hi", "echo": True}, "echo", "echo"),
-    ({"prompt": "hi", "n": 0}, "n", "n must be"),
+    ({"prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
+    ({"prompt": "hi", "n": 10**9}, "n", "less than or equal to 128"),
+    ({"prompt": "hi", "top_k": 10**20}, None, "top_k"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs", "logprobs"),
     ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens", "integer"),
     ({"prompt": {"text": "hi"}}, "prompt", "prompt"),
@@ -359,6 +368,7 @@ def test_a_client_that_disconnects_frees_its_request(server, stream):
     assert wait_for(lambda: server.metrics()["nanovllm:kv_cache_usage_perc"] == 0)
     assert server.metrics()["nanovllm:generation_tokens_total"] - before < body["max_tokens"] / 2  # cut short
     assert httpx.get(server.url + "/health").status_code == 200
+    assert "Traceback" not in server.log()  # (a disconnect is no error of the server's)
 
 
 def test_metrics_count_what_was_served(server, client):

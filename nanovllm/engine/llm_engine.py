@@ -119,6 +119,9 @@ class LLMEngine:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={sampling_params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")
         vocab_size = self.config.hf_config.vocab_size
+        if sampling_params.top_k > vocab_size:
+            raise ValueError(f"SamplingParams.top_k={sampling_params.top_k} exceeds the model's vocabulary of "
+                             f"{vocab_size} tokens")
         if sampling_params.logprobs is not None and sampling_params.logprobs > vocab_size:
             raise ValueError(f"SamplingParams.logprobs={sampling_params.logprobs} exceeds the model's vocabulary "
                              f"of {vocab_size} tokens")

@@ -54,7 +54,7 @@ class SeqState:
         """Give seq a column: its counters move here, its sampling parameters are written once."""
         if not self.free:
             self._grow()
-        col = self.free.pop()
+        col = self.free[-1]  # taken once every value is written (one that does not fit raises first)
         p = seq.sampling_params
         flags = ((RANDOM if p.temperature > 0 else 0) | (FILTERS if p.top_k > 0 or p.top_p < 1 else 0)
                  | (USES_MIN_P if p.min_p > 0 else 0) | (PENALIZED if p.has_penalties else 0)
@@ -65,6 +65,7 @@ class SeqState:
                                          -1 if p.logprobs is None else p.logprobs, flags, seq.seq_id)
         self.floats[:, col] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
                                p.repetition_penalty)
+        self.free.pop()
         seq._state, seq._col = self, col
 
     def detach(self, seq: "Sequence"):

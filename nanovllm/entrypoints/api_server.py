@@ -99,24 +99,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                             "owned_by": "nanovllm", "max_model_len": engine.llm.config.max_model_len}]}
 
     async def submit_all(prompts: list, body: SamplingRequest, max_tokens: int | None, num_logprobs: int | None):
-        """Submit one engine request per prompt (all of them or none): they share one queue."""
+        """One engine request per prompt, queued together (all of them or none), sharing one
+        queue. max_tokens None: up to max_model_len (chat's default)."""
         params = body.sampling_params(max_tokens, num_logprobs)
-        queue: asyncio.Queue = asyncio.Queue()
-        requests = []
         try:
-            for prompt in prompts:
-                requests.append(await engine.submit(prompt, params, body.stream, queue, fill_context=max_tokens is None))
-        except BaseException as e:
-            for request in requests:
-                engine.abort(request)
-            if isinstance(e, (ValueError, TypeError)):
-                raise APIError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from e
-            if isinstance(e, QueueFull):
-                raise APIError(503, str(e), "service_unavailable") from e
-            if isinstance(e, EngineDead):
-                raise APIError(503, str(e), "server_error") from e
-            raise
-        return requests
+            return await engine.submit_all(prompts, params, body.stream, fill_context=max_tokens is None)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from e
+        except QueueFull as e:
+            raise APIError(503, str(e), "service_unavailable") from e
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error") from e
 
     async def respond(http: Request, body: SamplingRequest, prompts: list, max_tokens: int | None,
                       num_logprobs: int | None, chat: bool):
@@ -177,6 +170,7 @@ async def until_disconnected(http: Request, work):
         watch.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # (cancel() only asks)
     if task.cancelled():
         return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
     try:

@@ -114,30 +114,42 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- the asyncio side ---------------------------------------------------------------------
-    async def submit(self, prompt, params: SamplingParams, stream: bool = False, queue: asyncio.Queue | None = None,
+    async def submit(self, prompt, params: SamplingParams, stream: bool = False,
                      fill_context: bool = False) -> Request:
         """Queue a request and wait until the engine thread has validated it; its updates then
-        arrive in `queue` (a new one when None; see `updates()`). stream: updates as tokens come
-        (else one per sample, at its end). fill_context: generate up to max_model_len (the API's
-        default when a request sets no max_tokens) instead of params.max_tokens. Raises the
-        engine's ValueError/TypeError for a bad request, QueueFull when max_queued_requests
-        requests are waiting already, EngineDead when the engine has failed."""
-        request = Request(prompt, params, fill_context, stream, queue if queue is not None else asyncio.Queue(),
-                          asyncio.get_running_loop().create_future())
+        arrive in its queue (see `updates()`). stream: updates as tokens come (else one per
+        sample, at its end). fill_context: generate up to max_model_len instead of
+        params.max_tokens (chat's default when a request sets no limit). Raises the engine's
+        ValueError/TypeError for a bad request, QueueFull when max_queued_requests requests are
+        waiting already, EngineDead when the engine has failed."""
+        return (await self.submit_all([prompt], params, stream, fill_context))[0]
+
+    async def submit_all(self, prompts: list, params: SamplingParams, stream: bool = False,
+                         fill_context: bool = False) -> list[Request]:
+        """submit() for several prompts sharing one queue (the prompts of one API call): queued
+        together, so the engine takes them in one go; all of them or none (a refused one aborts
+        the others)."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        requests = [Request(prompt, params, fill_context, stream, queue, loop.create_future()) for prompt in prompts]
         with self._lock:  # (the engine thread sets error, and drains the commands, under it)
             if self.error is not None:
                 raise EngineDead(f"the engine has failed: {self.error!r}")
             if (self.max_queued_requests is not None
-                    and self._num_submitted + self.stats["num_waiting"] >= self.max_queued_requests):
+                    and self._num_submitted + self.stats["num_waiting"] + len(requests) > self.max_queued_requests):
                 raise QueueFull(f"{self.max_queued_requests} requests are already waiting (--max-queued-requests)")
-            self._num_submitted += 1
-            self._commands.put(("add", request))
+            self._num_submitted += len(requests)
+            for request in requests:
+                self._commands.put(("add", request))
         try:
-            await request.accepted
+            results = await asyncio.gather(*(request.accepted for request in requests), return_exceptions=True)
         except asyncio.CancelledError:  # the client went away before the engine answered
-            self.abort(request)
-            raise
-        return request
+            results = [asyncio.CancelledError()]
+        refusals = [e for e in results if isinstance(e, BaseException)]
+        if refusals:
+            for request in requests:
+                self.abort(request)
+            raise refusals[0]
+        return requests
 
     def abort(self, request: Request):
         """End the request's unfinished samples and free their blocks (any thread; idempotent)."""
@@ -167,15 +179,18 @@ class AsyncEngine:
                         return
                     self._handle(*command)
                     command = self._next_command()
+                self._snapshot()  # (the queue limit counts what was just queued)
                 if not llm.is_finished():
                     self._deliver(llm.step())
                 self._flush()
                 self._snapshot()
         except BaseException as e:  # nothing can run any more: tell everyone waiting
             logger.exception("the engine failed; every request in flight fails with it")
-            for request in {id(r): r for r in self._by_seq.values()}.values():
+            unfinished = [*self._by_seq.values(), *(r for items in self._outbox.values() for r, _ in items)]
+            for request in {id(r): r for r in unfinished}.values():
                 request.fail(EngineDead(f"the engine has failed: {e!r}"))
             self._by_seq.clear()
+            self._outbox.clear()
             self._refuse_the_rest(e)
 
     def _refuse_the_rest(self, error: BaseException):

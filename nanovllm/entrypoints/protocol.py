@@ -7,6 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from nanovllm.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs (and vLLM's default max_logprobs)
+MAX_N = 128        # completions per prompt, as OpenAI allows: each is a sequence the engine runs
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
 
 class BadRequest(ValueError):
@@ -28,7 +30,7 @@ class SamplingRequest(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -69,6 +71,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_TOKENS  # (null: up to max_model_len)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
