@@ -54,6 +54,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def api_error(_, e: APIError):
         return e.response()
 
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        return APIError(400, str(e), "invalid_request_error", e.param).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
@@ -101,7 +105,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def submit_all(prompts: list, body: SamplingRequest, max_tokens: int | None, num_logprobs: int | None):
         """One engine request per prompt, queued together (all of them or none), sharing one
         queue. max_tokens None: up to max_model_len (chat's default)."""
-        params = body.sampling_params(max_tokens, num_logprobs)
+        params = body.sampling_params(max_tokens, num_logprobs)  # (a BadRequest is a 400 naming the field)
         try:
             return await engine.submit_all(prompts, params, body.stream, fill_context=max_tokens is None)
         except (ValueError, TypeError) as e:
@@ -114,10 +118,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def respond(http: Request, body: SamplingRequest, prompts: list, max_tokens: int | None,
                       num_logprobs: int | None, chat: bool):
         check_model(body)
-        try:
-            requests = await submit_all(prompts, body, max_tokens, num_logprobs)
-        except BadRequest as e:
-            raise APIError(400, str(e), "invalid_request_error", e.param) from e
+        requests = await submit_all(prompts, body, max_tokens, num_logprobs)
         response = Choices(requests, body, served_model_name, tokenizer, chat)
         if body.stream:
             return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
@@ -129,19 +130,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, http: Request):
-        try:
-            prompts = body.prompts()
-        except BadRequest as e:
-            raise APIError(400, str(e), "invalid_request_error", e.param) from e
-        return await respond(http, body, prompts, body.max_tokens, body.logprobs, chat=False)
+        return await respond(http, body, body.prompts(), body.max_tokens, body.logprobs, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        try:
-            messages = [m.as_template_input() for m in body.messages]
-            num_logprobs = body.num_logprobs()
-        except BadRequest as e:
-            raise APIError(400, str(e), "invalid_request_error", e.param) from e
+        messages = [m.as_template_input() for m in body.messages]
+        num_logprobs = body.num_logprobs()
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await respond(http, body, [messages], max_tokens, num_logprobs, chat=True)
 

@@ -25,7 +25,7 @@ class EngineMetrics(Protocol):
     def request_added(self, num_prompt_tokens: int): ...
     def tokens_generated(self, num_tokens: int): ...
     def sequence_finished(self, seq: Sequence): ...
-    def stepped(self, llm: LLMEngine): ...
+    def stepped(self, llm: LLMEngine, stats: dict): ...
 
 
 class QueueFull(Exception):
@@ -61,10 +61,15 @@ class Request:
         self._call(_settle, self.accepted, error)
 
     def _call(self, function, *args):
-        try:
-            self.accepted.get_loop().call_soon_threadsafe(function, *args)
-        except RuntimeError:  # its event loop is closed: nobody is reading any more
-            pass
+        _call_soon(self.accepted.get_loop(), function, *args)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, function, *args):
+    """Run function(*args) on loop's thread, from any thread."""
+    try:
+        loop.call_soon_threadsafe(function, *args)
+    except RuntimeError:  # the event loop is closed: nobody is reading any more
+        pass
 
 
 def _put_all(items: list[tuple[Request, dict]]):
@@ -171,6 +176,7 @@ class AsyncEngine:
         try:
             while True:
                 command = self._commands.get() if llm.is_finished() else self._next_command()
+                handled = command is not None
                 while command is not None:
                     if command[0] == "stop":
                         self._abort_all()
@@ -179,7 +185,8 @@ class AsyncEngine:
                         return
                     self._handle(*command)
                     command = self._next_command()
-                self._snapshot()  # (the queue limit counts what was just queued)
+                if handled:
+                    self._snapshot()  # (the queue limit counts what was just queued)
                 if not llm.is_finished():
                     self._deliver(llm.step())
                 self._flush()
@@ -273,10 +280,7 @@ class AsyncEngine:
     def _flush(self):
         """Hand this step's updates over: one wake-up of each event loop, not one per update."""
         for loop, items in self._outbox.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed: nobody is reading any more
-                pass
+            _call_soon(loop, _put_all, items)
         self._outbox = {}
 
     def _snapshot(self):
@@ -285,4 +289,4 @@ class AsyncEngine:
         self.stats = {"num_running": len(llm.scheduler.running), "num_waiting": len(llm.scheduler.waiting),
                       "kv_cache_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks}
         if self.metrics is not None:
-            self.metrics.stepped(llm)
+            self.metrics.stepped(llm, self.stats)

@@ -1,7 +1,7 @@
 """Prometheus metrics of a serving engine, named as vLLM names its own (prefix `nanovllm:`).
 
-Gauges are read from the engine thread's last snapshot when scraped; counters and histograms are
-fed by the engine thread as it steps (prometheus-client is thread-safe).
+Gauges are set from the engine thread's snapshot after each step; counters and histograms are fed
+by the engine thread as it steps (prometheus-client is thread-safe).
 """
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -51,11 +51,13 @@ class ServingMetrics:
             self.tpot.observe(m["tpot_s"])
         self.e2e.observe(m["finish_time"] - m["arrival_time"])
 
-    def stepped(self, llm: LLMEngine):
+    def stepped(self, llm: LLMEngine, stats: dict):
+        """After a step: the gauges from the engine thread's snapshot (AsyncEngine.stats), the
+        counters from the engine's cumulative counts."""
         bm, sched = llm.block_manager, llm.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set((bm.num_blocks - bm.num_free_blocks) / bm.num_blocks)
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_usage.set(stats["kv_cache_usage"])
         if bm.num_cached_tokens != self._cached_tokens:
             self.prefix_cache_hits.inc(bm.num_cached_tokens - self._cached_tokens)
             self._cached_tokens = bm.num_cached_tokens
