@@ -376,11 +376,6 @@ class ModelRunner:
             batch.num_logprobs = int(ints[LOGPROBS].max())
         return batch
 
-    def run(self, step: ScheduledStep) -> tuple[list[int], list[dict] | None]:
-        """Run one step and wait for it: the sampled token of each sequence that samples, in
-        order, and their logprob dicts (None when no sequence asked for logprobs)."""
-        return self.launch(step).result()
-
     @torch.inference_mode()
     def launch(self, step: ScheduledStep) -> "SampledTokens":
         """Start one step (rank 0) and return without waiting for the device: the sampled tokens
