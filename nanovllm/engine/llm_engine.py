@@ -77,7 +77,9 @@ class LLMEngine:
         self.step_records: list[dict] | None = None
 
     # ---- requests -----------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> list[int]:
+    def encode_prompt(self, prompt) -> list[int]:
+        """A prompt (a string, or a list of token ids) as validated token ids: a TypeError or
+        ValueError names what is wrong."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as lists of token ids")
@@ -114,7 +116,7 @@ class LLMEngine:
         as forks until its prompt is computed); nothing is queued here."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        ids = self._prompt_ids(prompt)
+        ids = self.encode_prompt(prompt)
         if len(ids) + sampling_params.max_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={sampling_params.max_tokens} exceeds "
                              f"max_model_len={self.config.max_model_len}")
@@ -412,8 +414,11 @@ class LLMEngine:
         self.shutdown()
 
     def stats(self) -> dict:
+        """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
+        and waiting, and cumulative counts (preemptions, prompt tokens served by the prefix cache)."""
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
+                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_cached_tokens": self.block_manager.num_cached_tokens,
                 "peak_used_blocks": self.block_manager.peak_used_blocks, **self.counters,

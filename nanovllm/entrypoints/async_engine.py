@@ -25,7 +25,7 @@ class EngineMetrics(Protocol):
     def request_added(self, num_prompt_tokens: int): ...
     def tokens_generated(self, num_tokens: int): ...
     def sequence_finished(self, seq: Sequence): ...
-    def stepped(self, llm: LLMEngine, stats: dict): ...
+    def stepped(self, stats: dict): ...
 
 
 class QueueFull(Exception):
@@ -234,7 +234,7 @@ class AsyncEngine:
         llm, prompt = self.llm, request.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
             prompt = llm.render_chat(prompt)
-        ids = llm._prompt_ids(prompt)
+        ids = llm.encode_prompt(prompt)
         params = request.params
         if request.fill_context:  # what the prompt leaves of the context
             params = dataclasses.replace(params, max_tokens=max(1, llm.config.max_model_len - len(ids)))
@@ -285,8 +285,9 @@ class AsyncEngine:
 
     def _snapshot(self):
         llm = self.llm
-        bm = llm.block_manager
-        self.stats = {"num_running": len(llm.scheduler.running), "num_waiting": len(llm.scheduler.waiting),
-                      "kv_cache_usage": (bm.num_blocks - bm.num_free_blocks) / bm.num_blocks}
+        stats = llm.stats()
+        self.stats = {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+                      "kv_cache_usage": (stats["num_blocks"] - stats["num_free_blocks"]) / stats["num_blocks"],
+                      "num_cached_tokens": stats["num_cached_tokens"], "num_preemptions": stats["num_preemptions"]}
         if self.metrics is not None:
-            self.metrics.stepped(llm, self.stats)
+            self.metrics.stepped(self.stats)

@@ -5,7 +5,6 @@ by the engine thread as it steps (prometheus-client is thread-safe).
 """
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -51,16 +50,15 @@ class ServingMetrics:
             self.tpot.observe(m["tpot_s"])
         self.e2e.observe(m["finish_time"] - m["arrival_time"])
 
-    def stepped(self, llm: LLMEngine, stats: dict):
+    def stepped(self, stats: dict):
         """After a step: the gauges from the engine thread's snapshot (AsyncEngine.stats), the
-        counters from the engine's cumulative counts."""
-        bm, sched = llm.block_manager, llm.scheduler
+        counters from the engine's cumulative counts in it."""
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
-        if bm.num_cached_tokens != self._cached_tokens:
-            self.prefix_cache_hits.inc(bm.num_cached_tokens - self._cached_tokens)
-            self._cached_tokens = bm.num_cached_tokens
-        if sched.num_preemptions != self._num_preemptions:
-            self.preemptions.inc(sched.num_preemptions - self._num_preemptions)
-            self._num_preemptions = sched.num_preemptions
+        if stats["num_cached_tokens"] != self._cached_tokens:
+            self.prefix_cache_hits.inc(stats["num_cached_tokens"] - self._cached_tokens)
+            self._cached_tokens = stats["num_cached_tokens"]
+        if stats["num_preemptions"] != self._num_preemptions:
+            self.preemptions.inc(stats["num_preemptions"] - self._num_preemptions)
+            self._num_preemptions = stats["num_preemptions"]
