@@ -1,6 +1,7 @@
 """Property-based tests (hypothesis) of BlockManager and Scheduler together, through their public
-behaviour only: add / schedule / postprocess / finish on the Scheduler, and the Sequence fields
-block_table, num_computed_tokens, num_scheduled_tokens, token_ids, status.
+behaviour only: add / schedule / complete / finish on the Scheduler, the planned step's sequences
+and token counts, and the Sequence fields block_table, num_computed_tokens, num_tokens, token_ids,
+status.
 
 A state machine interleaves arrivals (prompts built from a few shared prefixes plus random
 suffixes, some with n > 1 samples), steps of a fake model, and aborts, under tiny KV budgets
@@ -88,61 +89,67 @@ class SchedulerMachine(RuleBasedStateMachine):
         return seq.block_table[pos // self.bs] * self.bs + pos % self.bs
 
     def step(self, draw_token):
-        """schedule(), check the batch, run the fake model (read and write the fake KV cache),
-        sample a token for each sequence that completes its tokens, postprocess(), check."""
+        """schedule() (which commits the step), check the batch, run the fake model (read and
+        write the fake KV cache), sample a token for each sequence that completes its tokens,
+        complete(), check."""
         sched, bm = self.sched, self.bm
         was_finished = {s.seq_id for s in self.seqs if s.is_finished}
-        batch = sched.schedule()
+        before = {s.seq_id: (s.num_tokens, s.num_computed_tokens) for s in sched.running}
+        planned = sched.schedule()
         self.num_steps += 1
         if self.live():
-            assert batch, "no progress: nothing scheduled while requests remain"
+            assert planned is not None, "no progress: nothing scheduled while requests remain"
+        if planned is None:
+            self.check_structure()
+            return
+        batch = list(zip(planned.seqs, planned.starts, planned.num_new, planned.samples))
 
         # Budgets.
-        assert sum(s.num_scheduled_tokens for s in batch) <= self.budget
+        assert sum(planned.num_new) <= self.budget
         assert len(batch) <= self.max_seqs
         assert len(sched.running) <= self.max_seqs
-        assert len({s.seq_id for s in batch}) == len(batch), "a sequence scheduled twice in one step"
+        assert len({s.seq_id for s in planned.seqs}) == len(batch), "a sequence scheduled twice in one step"
         running_ids = {s.seq_id for s in sched.running}
-        for s in batch:
+        for s, start, n, samples in batch:
             assert s.seq_id not in was_finished, f"finished sequence {s.seq_id} scheduled"
             assert s.seq_id in running_ids and s.status == SequenceStatus.RUNNING
-            assert s.num_scheduled_tokens >= 1
-            assert s.num_computed_tokens + s.num_scheduled_tokens <= s.num_tokens
-            assert len(s.block_table) * self.bs >= s.num_computed_tokens + s.num_scheduled_tokens
+            assert n >= 1 and s.num_computed_tokens == start + n
+            if s.seq_id in before:  # running already: it goes on from where it was
+                assert start == before[s.seq_id][1]
+            assert start + n == len(s.token_ids) if samples else start + n < len(s.token_ids)
+            assert s.num_tokens == len(s.token_ids) + samples
+            assert len(s.block_table) * self.bs >= start + n
+        scheduled = {s.seq_id for s in planned.seqs}
         for s in sched.running:
-            if s not in batch:
-                assert s.num_scheduled_tokens == 0
-        self.check_structure()
+            if s.seq_id not in scheduled and s.seq_id in before:
+                assert (s.num_tokens, s.num_computed_tokens) == before[s.seq_id]
 
         # The fake model: every position it attends to must hold K/V computed from exactly this
         # sequence's prefix; new positions go to blocks no other sequence holds.
-        for s in batch:
-            for p in range(s.num_computed_tokens):
+        for s, start, n, _ in batch:
+            for p in range(start):
                 assert self.kv.get(self.slot(s, p)) == tuple(s.token_ids[:p + 1]), \
                     f"seq {s.seq_id} reads wrong K/V at position {p} (slot {self.slot(s, p)})"
-        for s in batch:
-            for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
+        for s, start, n, _ in batch:
+            for p in range(start, start + n):
                 block = bm.blocks[s.block_table[p // self.bs]]
                 assert block.ref_count == 1, f"seq {s.seq_id} writes into shared block {block.block_id}"
                 self.kv[self.slot(s, p)] = tuple(s.token_ids[:p + 1])
+        # (only now: the blocks a step publishes are those whose K/V it computes)
+        self.check_structure()
 
-        samplers = [s for s in batch if s.samples_this_step]
-        before = {s.seq_id: (s.num_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in batch}
+        samplers = planned.sampling
         sampled = [draw_token() for _ in samplers]
-        finished = sched.postprocess(batch, sampled)
+        lengths = {s.seq_id: len(s.token_ids) for s in samplers}
+        updated = sched.complete(planned, sampled)
 
-        sampler_ids = {s.seq_id for s in samplers}
-        for s in batch:
-            num_tokens, computed = before[s.seq_id]
-            assert s.num_tokens == num_tokens + (s.seq_id in sampler_ids)
-            assert s.num_scheduled_tokens == 0
-            if not s.is_finished:
-                assert s.num_computed_tokens == computed
+        assert updated == samplers  # synchronous: none can have finished in between
         for s, token in zip(samplers, sampled):
-            assert s.token_ids[-1] == token
-        assert {s.seq_id for s in finished} <= sampler_ids
-        for s in finished:
-            assert s.is_finished
+            assert s.token_ids[-1] == token and len(s.token_ids) == lengths[s.seq_id] + 1
+            assert s.num_tokens == len(s.token_ids)
+        for s, start, n, _ in batch:
+            if not s.is_finished:
+                assert s.num_computed_tokens == start + n
         self.check_structure()
 
     # ------------------------------------------------------------------ rules
@@ -326,7 +333,9 @@ def test_abort_of_unqueued_fork_stays_finished():
     fork.finish_reason = "abort"   # as LLMEngine.abort(fork) does
     sched.finish(fork)
     for _ in range(10):
-        batch = sched.schedule()
-        assert fork not in batch, "an aborted fork was scheduled"
-        sched.postprocess(batch, [1 for s in batch if s.samples_this_step])
+        planned = sched.schedule()
+        if planned is None:
+            break
+        assert fork not in planned.seqs, "an aborted fork was scheduled"
+        sched.complete(planned, [1 for _ in planned.sampling])
     assert fork.is_finished and fork.num_completion_tokens == 0 and fork.block_table == []

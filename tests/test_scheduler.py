@@ -34,12 +34,15 @@ def det_token(token_ids) -> int:
 
 
 def step(sched, token_fn=lambda s: det_token(s.token_ids)):
-    """One fake-runner step. Returns ([(seq, num_scheduled_tokens, samples)], finished)."""
-    seqs = sched.schedule()
-    info = [(s, s.num_scheduled_tokens, s.samples_this_step) for s in seqs]
-    sampled = [token_fn(s) for s in seqs if s.samples_this_step]
-    finished = sched.postprocess(seqs, sampled)
-    return info, finished
+    """One fake-runner step, synchronous: schedule, sample, complete. Returns
+    ([(seq, its new tokens, whether it samples)], the sequences that finished)."""
+    planned = sched.schedule()
+    if planned is None:
+        return [], []
+    info = list(zip(planned.seqs, planned.num_new, planned.samples))
+    sampled = [token_fn(s) for s in planned.sampling]
+    updated = sched.complete(planned, sampled)
+    return info, [s for s in updated if s.is_finished]
 
 
 def run_to_end(sched, max_steps=10_000, token_fn=lambda s: det_token(s.token_ids)):
@@ -344,11 +347,12 @@ def expected_completion(prompt, n):
     return tokens[len(prompt):]
 
 
-def check_step(sched, seqs, all_seqs, finished_ids, budget, max_seqs, kv):
-    """Invariants right after schedule(), before the fake runner."""
+def check_step(sched, planned, all_seqs, finished_ids, budget, max_seqs, kv):
+    """Invariants right after schedule() (which commits the step), before the fake runner."""
     bm = sched.block_manager
     bs = bm.block_size
-    assert sum(s.num_scheduled_tokens for s in seqs) <= budget
+    seqs = planned.seqs
+    assert sum(planned.num_new) <= budget
     assert len(seqs) <= max_seqs and len(sched.running) <= max_seqs
     assert len({s.seq_id for s in seqs}) == len(seqs)
     running_ids = [s.seq_id for s in sched.running]
@@ -356,18 +360,21 @@ def check_step(sched, seqs, all_seqs, finished_ids, budget, max_seqs, kv):
     assert len(set(running_ids)) == len(running_ids) and len(set(waiting_ids)) == len(waiting_ids)
     # Every request in exactly one place.
     assert sorted(running_ids + waiting_ids + list(finished_ids)) == sorted(s.seq_id for s in all_seqs)
-    for s in seqs:
-        assert s.status == SequenceStatus.RUNNING and s.num_scheduled_tokens >= 1
-        assert len(s.block_table) * bs >= s.num_computed_tokens + s.num_scheduled_tokens
-        assert s.num_computed_tokens + s.num_scheduled_tokens <= s.num_tokens
+    for s, start, n, samples in zip(seqs, planned.starts, planned.num_new, planned.samples):
+        assert s.status == SequenceStatus.RUNNING and n >= 1
+        assert s.num_computed_tokens == start + n              # committed
+        assert len(s.block_table) * bs >= start + n
+        assert start + n == len(s.token_ids) if samples else start + n < len(s.token_ids)
+        assert s.num_tokens == len(s.token_ids) + samples      # the token it samples is in flight
+    assert planned.sampling == [s for s, samples in zip(seqs, planned.samples) if samples]
     for s in sched.running:
         assert s.status == SequenceStatus.RUNNING
         assert len(set(s.block_table)) == len(s.block_table)
     check_blocks(sched)
     # Simulated KV cache: slot -> the prefix it was computed for. Every token a scheduled sequence
     # attends to (already computed, incl. prefix-cache hits) must hold its own prefix.
-    for s in seqs:
-        for p in range(s.num_computed_tokens):
+    for s, start in zip(seqs, planned.starts):
+        for p in range(start):
             slot = s.block_table[p // bs] * bs + p % bs
             assert kv.get(slot) == tuple(s.token_ids[:p + 1]), f"seq {s.seq_id} reads stale KV at pos {p}"
 
@@ -418,15 +425,17 @@ def test_randomized_stress(block_size, num_blocks, budget, max_seqs, prefix_cach
             all_seqs.append(s)
             expected[s.seq_id] = expected_completion(s.token_ids, s.sampling_params.max_tokens)
             sched.add(s)
-        seqs = sched.schedule()
-        check_step(sched, seqs, all_seqs, finished_ids, budget, max_seqs, kv)
-        assert seqs or sched.is_finished(), "nothing scheduled while requests remain"
+        planned = sched.schedule()
+        assert planned is not None or sched.is_finished(), "nothing scheduled while requests remain"
+        if planned is None:
+            continue
+        check_step(sched, planned, all_seqs, finished_ids, budget, max_seqs, kv)
         # Fake runner: write this step's K/V (each token's slot records the prefix it belongs to).
-        for s in seqs:
-            for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
+        for s, start, n in zip(planned.seqs, planned.starts, planned.num_new):
+            for p in range(start, start + n):
                 kv[s.block_table[p // block_size] * block_size + p % block_size] = tuple(s.token_ids[:p + 1])
-        sampled = [det_token(s.token_ids) for s in seqs if s.samples_this_step]
-        finished = sched.postprocess(seqs, sampled)
+        sampled = [det_token(s.token_ids) for s in planned.sampling]
+        finished = [s for s in sched.complete(planned, sampled) if s.is_finished]
         for s in finished:
             assert s.seq_id not in finished_ids, "finished twice"
             assert s.is_finished and s.block_table == []
@@ -459,75 +468,3 @@ def test_stress_configs_exercise_preemption_and_prefix_hits():
     for s in seqs:
         assert s.completion_token_ids == expected_completion(s.token_ids[:13], 12)
     assert sched.block_manager.num_free_blocks == 12
-
-
-def test_seq_state_columns_grow_are_reused_and_round_trip():
-    """SeqState: more sequences than its first capacity, counters kept across attach and detach,
-    and a column's generation counts its reuses (what a step in flight checks)."""
-    from nanovllm.engine.sequence import SeqState
-    state = SeqState(capacity=2)
-    seqs = [make_seq([1, 2, 3], max_tokens=5) for _ in range(5)]
-    for i, seq in enumerate(seqs):
-        seq.num_computed_tokens = i         # before attach: kept in the sequence
-        state.attach(seq)
-        seq.num_scheduled_tokens = 10 + i   # after: in its column
-    assert state.ints.shape[1] >= 5 and len({seq._col for seq in seqs}) == 5
-    assert [(s.num_computed_tokens, s.num_scheduled_tokens, s.token_limit) for s in seqs] == \
-        [(i, 10 + i, 8) for i in range(5)]
-    col, gen = seqs[1]._col, state.gen[seqs[1]._col]
-    state.detach(seqs[1])
-    assert seqs[1].num_scheduled_tokens == 11 and seqs[1]._state is None and state.gen[col] == gen + 1
-    newcomer = make_seq([4])
-    state.attach(newcomer)
-    assert newcomer._col == col and newcomer.num_tokens == 1  # the freed column, written afresh
-
-
-def test_column_index_is_a_slice_exactly_for_consecutive_columns():
-    import numpy as np
-    from nanovllm.engine.scheduler import column_index
-    assert column_index(np.array([3, 4, 5])) == slice(3, 6)
-    assert column_index(np.array([7])) == slice(7, 8)
-    for cols in ([], [0, 2], [1, 0], [0, 1, 3], [2, 1, 0], [0, 2, 1, 3]):
-        index = column_index(np.array(cols, dtype=np.int64))
-        assert isinstance(index, np.ndarray) and index.tolist() == cols
-
-
-def test_a_planned_step_keeps_its_columns_as_they_were_when_planned():
-    """Sequences admitted together hold consecutive columns, so their steps index SeqState by a
-    slice; the step must still own a copy of the columns (launched() moves the sequences on)."""
-    sched = make_sched()
-    for _ in range(3):
-        sched.add(make_seq([1, 2, 3, 4, 5], max_tokens=4))
-    step(sched)  # the prefill
-    planned = sched.plan(sched.schedule())
-    assert isinstance(planned.index, slice)
-    ints, gens = planned.ints.copy(), planned.gens.copy()
-    sched.complete(sched.launched(planned), [1, 2, 3])
-    assert (planned.ints == ints).all() and (planned.gens == gens).all()
-    assert [s.num_tokens for s in sched.running] == [7, 7, 7]
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_vectorized_scheduling_equals_the_one_at_a_time_loop(seed):
-    """The running sequences' share of a step, computed over their SeqState columns, is what the
-    plain loop computes: the same sequences, tokens and new blocks, under a tight budget, with
-    chunked prefills, decodes and sequences whose last token is still in flight."""
-    import copy
-    rng = random.Random(seed)
-    sched = make_sched(num_blocks=400, block_size=4, budget=rng.randint(1, 40), max_seqs=16)
-    for _ in range(rng.randint(1, 12)):
-        sched.add(make_seq([rng.randrange(50) for _ in range(rng.randint(1, 30))], max_tokens=rng.randint(1, 6)))
-    in_flight = None
-    for _ in range(rng.randint(0, 6)):  # some steps in (overlapped): some decoding, some mid-prefill
-        step = sched.launched(sched.plan(sched.schedule()))
-        if in_flight is not None:
-            sched.complete(in_flight, [rng.randrange(50) for _ in range(int(in_flight.samples.sum()))])
-        in_flight = step
-    sched.max_num_batched_tokens = rng.randint(1, len(sched.running) + 4)  # often short of one token each
-    a, b = sched, copy.deepcopy(sched)
-    vectorized, _, _, budget_a = a._schedule_running_vectorized()
-    looped, budget_b, victims = b._schedule_running()
-    assert vectorized is not None and not victims  # (blocks to spare: no preemption)
-    assert [s.seq_id for s in vectorized] == [s.seq_id for s in looped] and budget_a == budget_b
-    assert [(s.num_scheduled_tokens, s.block_capacity) for s in a.running] == \
-        [(s.num_scheduled_tokens, s.block_capacity) for s in b.running]

@@ -13,9 +13,9 @@ import pytest
 
 from hf_reference import assert_greedy_matches_hf
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.scheduler import plan_step
-from nanovllm.engine.sequence import SeqState, Sequence
-from nanovllm.engine.step_batch import BlockTables
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.tiny_model import build_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -186,30 +186,19 @@ def test_interpreter_exit_and_ctrl_c_end_workers(model_dir, tmp_path, interrupt)
     assert not any(alive(p) for p in workers), "orphaned worker processes"
 
 
-def encode(tables: BlockTables, seqs, state: SeqState):
-    """Rank 0's message for a step of these sequences (their tables as the block manager leaves them)."""
-    for seq in seqs:
-        seq.block_capacity = len(seq.block_table) * tables.block_size
-    return tables.encode(plan_step(seqs, state))
-
-
 def test_decode_message_is_small():
-    """A decode step at 256 sequences sends each one's last token, not its prompt or its table."""
-    tables, state = BlockTables(max_rows=256, max_blocks_per_seq=63, block_size=16), SeqState()
-    seqs = []
+    """A decode step at 256 sequences sends each one's row and position, not its tokens or its table."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=256 * 1000, max_model_len=2048)
+    sched = Scheduler(cfg, BlockManager(256 * 64, 16), eos_token_ids=set())
     for i in range(256):
-        seq = Sequence(list(range(1000)), GREEDY, seed=0)
-        state.attach(seq)
-        seq.block_table = list(range(i * 63, i * 63 + 63))
-        seq.num_computed_tokens, seq.num_scheduled_tokens = 999, 1
-        seqs.append(seq)
-    first = len(pickle.dumps(encode(tables, seqs, state), pickle.HIGHEST_PROTOCOL))  # tables sent whole once
-    for seq in seqs:  # the next decode step: one more token each, no new block
-        seq.token_ids.append(7)
-        seq.num_tokens, seq.num_computed_tokens = 1001, 1000
-    decode = len(pickle.dumps(encode(tables, seqs, state), pickle.HIGHEST_PROTOCOL))
-    print(f"\nTP message: first step {first} bytes, decode step at 256 sequences {decode} bytes")
-    assert decode < 8 * 1024 < first
+        sched.add(Sequence([i % 500 + 1] * 1000, GREEDY, seed=0))
+    first = sched.schedule()  # the prefills: every prompt and block table travels once
+    sched.complete(first, [7] * 256)
+    decode = sched.schedule()
+    sizes = [len(pickle.dumps(step.batch(), pickle.HIGHEST_PROTOCOL)) for step in (first, decode)]
+    print(f"\nTP message: first step {sizes[0]} bytes, decode step at 256 sequences {sizes[1]} bytes")
+    assert sizes[1] < 8 * 1024 < sizes[0]
 
 
 def test_warmup_runs_on_every_rank(model_dir, prompts, reference):
@@ -238,37 +227,6 @@ def test_nccl_group_has_a_timeout(monkeypatch):
     monkeypatch.setattr(parallel.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     group = parallel.TPGroup(None, 0, 2, "cuda")
     assert group.pg.options is not None and group.pg.options._timeout == parallel.COLLECTIVE_TIMEOUT
-
-
-def test_block_tables_copies_agree_across_growth_preemption_and_forgetting():
-    """Rank 0 encodes table changes against its persistent copy; another rank applies them. Both
-    copies must hold every scheduled sequence's table, in the same rows, step after step."""
-    import random
-    rng = random.Random(0)
-    rank0, rank1 = (BlockTables(max_rows=8, max_blocks_per_seq=12, block_size=4) for _ in range(2))
-    state = SeqState()
-    seqs = [Sequence([1, 2, 3], GREEDY, seed=0) for _ in range(12)]
-    for seq in seqs:
-        seq.block_table = [rng.randrange(100)]
-        seq.num_scheduled_tokens = 1
-        state.attach(seq)
-    for _ in range(200):
-        batch_seqs = rng.sample(seqs, rng.randint(1, 8))
-        for seq in list(batch_seqs):
-            action = rng.random()
-            if action < 0.3 and len(seq.block_table) < 12:
-                seq.block_table.append(rng.randrange(100))            # grows in place
-            elif action < 0.4:  # preempted: out of this step, re-admitted later with a new table
-                seq.block_table = [rng.randrange(100) for _ in range(rng.randint(1, 12))]
-                batch_seqs.remove(seq)
-        if not batch_seqs:
-            continue
-        batch = encode(rank0, batch_seqs, state)
-        rank1.apply(pickle.loads(pickle.dumps(batch)))
-        for seq in batch_seqs:
-            assert rank0[seq.seq_id] == rank1[seq.seq_id] == seq.block_table
-            assert rank0.rows[seq.seq_id] == rank1.rows[seq.seq_id]
-        assert set(rank0.rows) == set(rank1.rows) == {seq.seq_id for seq in batch_seqs}
 
 
 class _DeadWorker:

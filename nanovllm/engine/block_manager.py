@@ -7,13 +7,13 @@ from nanovllm.engine.sequence import Sequence
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
-    """Key of a full block: xxh64 over (previous block's key, this block's token ids).
+    """Key of a full block: xxh64 of its token ids, seeded with the previous block's key (0 for the
+    first block).
 
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
     mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parent blocks).
     """
-    data = array("q", token_ids).tobytes()
-    return xxhash.xxh64_intdigest(data if prev_hash is None else prev_hash.to_bytes(8, "little") + data)
+    return xxhash.xxh64_intdigest(array("q", token_ids).tobytes(), prev_hash or 0)
 
 
 class Block:
@@ -95,18 +95,16 @@ class BlockManager:
             prev_hash, parent = h, (block_id, block.generation)
         return block_ids, hashes
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
-
-        Returns False, changing nothing, when too few blocks are free. On success,
-        seq.num_computed_tokens counts the tokens served from the cache.
-        """
-        assert not seq.block_table and not seq.num_pending
+    def allocate(self, seq: Sequence) -> int | None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks. Returns
+        how many of its tokens the cache serves (their K/V are computed already), or None,
+        changing nothing, when too few blocks are free."""
+        assert not seq.block_table and seq.num_tokens == len(seq.token_ids)
         hit_ids, hashes = self._match_prefix(seq)
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hit_ids)
         num_new = self.blocks_needed(seq.num_tokens) - len(hit_ids)
         if num_new + num_revived > len(self.free):
-            return False
+            return None
         for block_id in hit_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -114,52 +112,33 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hit_ids + [self._take_free_block() for _ in range(num_new)]
         seq.block_hashes = hashes
-        seq.block_capacity, seq.num_hashed_blocks = len(seq.block_table) * self.block_size, len(hashes)
-        seq.num_computed_tokens = len(hit_ids) * self.block_size
-        self.num_cached_tokens += seq.num_computed_tokens
+        num_cached = len(hit_ids) * self.block_size
+        self.num_cached_tokens += num_cached
         self._note_usage()
-        if not seq.admitted:
-            seq.num_cached_tokens = seq.num_computed_tokens
-            seq.admitted = True
-        return True
+        return num_cached
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table cover its first num_tokens tokens; False (changing nothing) if
         too few blocks are free."""
-        if not self.grow_all([seq], [num_tokens]):
+        count = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if count > len(self.free):
             return False
-        seq.block_capacity = len(seq.block_table) * self.block_size
-        return True
-
-    def grow_all(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
-        """grow() for many sequences at once, all or none: False (changing nothing) if too few
-        blocks are free. Each seq's block_capacity is left to the caller, who sets them all in
-        one vectorized write (Scheduler: the per-block cost is what a decode step of many
-        sequences with small blocks pays most of)."""
-        counts = [self.blocks_needed(n) - len(seq.block_table) for seq, n in zip(seqs, num_tokens)]
-        if sum(counts) > len(self.free):
-            return False
-        take = self._take_free_block
-        for seq, count in zip(seqs, counts):
-            table = seq.block_table
-            for _ in range(count):
-                table.append(take())
+        for _ in range(count):
+            seq.block_table.append(self._take_free_block())
         self._note_usage()
         return True
 
     def _note_usage(self):
         self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free))
 
-    def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None):
-        """Publish the blocks that seq's first num_computed tokens (default: all its computed
-        ones) fill completely, under their chained keys. (Overlap scheduling passes the count of a
-        finished step: the step after it, still running, may have computed tokens whose ids the
-        host does not know yet.)"""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int):
+        """Publish the blocks that seq's first num_tokens tokens fill completely, under their
+        chained keys. The caller vouches that their K/V are computed, or being computed by a
+        launched step (whoever reads a block runs after it), and that the host knows their ids."""
         if not self.enable_prefix_caching:
             return
-        num_computed = seq.num_computed_tokens if num_computed is None else num_computed
         bs, hashes = self.block_size, seq.block_hashes
-        for i in range(len(hashes), num_computed // bs):
+        for i in range(len(hashes), num_tokens // bs):
             tokens = seq.block_tokens(i, bs)
             h = chain_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
@@ -170,7 +149,6 @@ class BlockManager:
             block.hash, block.token_ids = h, tokens
             block.parent = (parent.block_id, parent.generation) if parent else None
             self.hash_to_block[h] = block.block_id
-        seq.num_hashed_blocks = len(seq.block_hashes)
 
     def free_blocks(self, seq: Sequence):
         """Drop seq's references. Its tail is freed first, so it is also reused first and the more
@@ -183,4 +161,3 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = seq.block_capacity = seq.num_hashed_blocks = 0

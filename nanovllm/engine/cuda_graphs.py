@@ -23,62 +23,66 @@ def padded_batch_size(batch: int, sizes: list[int]) -> int:
     return sizes[i] if i < len(sizes) else batch
 
 
-class DecodeGraphs:
-    """CUDA graphs of the model's decode forward, one per batch size of the ladder, sharing one
-    memory pool. Each step's inputs are copied into static buffers and the batch is padded to the
-    next captured size; padding rows get slot -1 (the spare KV block), context length 0 and an
-    all -1 block table, and stale block-table entries of earlier, longer steps are cleared."""
+def gather_inputs(token_table: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input id and KV-cache slot of each new token, [T] each, from its row and position [T]:
+    the slot of position p of a row is block_tables[row, p // block_size] * block_size + p % block_size."""
+    input_ids = token_table[rows, positions]
+    slots = block_tables[rows, positions // block_size].long() * block_size + positions % block_size
+    return input_ids, slots
 
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, sizes: list[int] | None = None):
+
+class DecodeGraphs:
+    """CUDA graphs of a decode step, one per batch size of the ladder, sharing one memory pool.
+
+    A graph takes the step as the (row, position) of each sequence's token, in two static buffers,
+    and does all the rest on the device: it gathers the input ids from the token table and the
+    block tables from theirs, computes the slots, and runs the model. A replay is then one copy of
+    [2, size] and the replay itself. Padding rows hold the scratch row at position 0: they read a
+    token of the scratch row and write K/V into the spare block, which nobody reads.
+    """
+
+    def __init__(self, model, token_table: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 scratch_row: int, max_batch: int, max_model_len: int, hidden_size: int, dtype: torch.dtype,
+                 sizes: list[int] | None = None):
         """sizes: the batch sizes to capture, graph_batch_sizes(max_batch) by default (a subset, e.g.
         [max_batch] alone, to measure what capture costs)."""
-        self.model = model
+        device = token_table.device
+        self.model, self.token_table, self.block_tables = model, token_table, block_tables
+        self.block_size, self.max_model_len = block_size, max_model_len
         self.sizes = sorted(sizes) if sizes is not None else graph_batch_sizes(max_batch)
-        self.max_model_len = max_model_len
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((max_batch, max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+        self.max_batch = self.sizes[-1]
+        self.inputs = torch.zeros(2, max_batch, dtype=torch.int64, device=device)  # rows, positions
+        self.inputs[0] = scratch_row
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.output = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
-        # Under inference mode, as every step runs (ModelRunner.execute): otherwise autograd would
+        # Under inference mode, as every step runs (ModelRunner.launch): otherwise autograd would
         # record the captured forward and keep its activations alive in the graphs' pool.
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
                 graph = torch.cuda.CUDAGraph()
-                with forward_context(self._context(size)):
-                    self.output[:size] = model(self.input_ids[:size], self.positions[:size])  # warm-up, JIT
-                    with torch.cuda.graph(graph, pool):
-                        self.output[:size] = model(self.input_ids[:size], self.positions[:size])
+                self.forward(size)  # warm-up: compiles the kernels outside the capture
+                with torch.cuda.graph(graph, pool):
+                    self.forward(size)
                 pool = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.synchronize(device)
 
-    def _context(self, size: int) -> Context:
-        return Context(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seq_lens_k=self.seq_lens[:size], max_seqlen_q=1,
-                       max_seqlen_k=self.max_model_len, slot_mapping=self.slot_mapping[:size],
-                       block_tables=self.block_tables[:size], decode_only=True, padded_batch=size,
-                       max_model_len=self.max_model_len)
+    def forward(self, size: int):
+        """The decode step of the first `size` rows of the static inputs (what a graph captures)."""
+        rows, positions = self.inputs[0, :size], self.inputs[1, :size]
+        input_ids, slots = gather_inputs(self.token_table, self.block_tables, rows, positions, self.block_size)
+        context = Context(cu_seqlens_q=self.cu_seqlens_q[:size + 1], seq_lens_k=(positions + 1).int(), max_seqlen_q=1,
+                          max_seqlen_k=self.max_model_len, slot_mapping=slots, block_tables=self.block_tables[rows],
+                          decode_only=True, padded_batch=size, max_model_len=self.max_model_len)
+        with forward_context(context):
+            self.output[:size] = self.model(input_ids, positions)
 
-    def can_run(self, context: Context, batch: int) -> bool:
-        """Decode-only steps over the cache (not a first step of one-token prompts, which has no
-        block tables yet), up to the largest captured batch."""
-        return context.decode_only and context.block_tables is not None and batch <= self.sizes[-1]
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        batch = input_ids.shape[0]
-        size = padded_batch_size(batch, self.sizes)
-        self.input_ids[:batch] = input_ids
-        self.positions[:batch] = positions
-        self.slot_mapping.fill_(-1)
-        self.slot_mapping[:batch] = context.slot_mapping
-        self.seq_lens.zero_()
-        self.seq_lens[:batch] = context.seq_lens_k
-        self.block_tables.fill_(-1)
-        self.block_tables[:batch, :context.block_tables.shape[1]] = context.block_tables
+    def replay(self, rows: torch.Tensor, positions: torch.Tensor, size: int) -> torch.Tensor:
+        """Run the graph of `size` for these rows and positions ([size] each, padded), on the device."""
+        self.inputs[0, :size].copy_(rows)
+        self.inputs[1, :size].copy_(positions)
         self.graphs[size].replay()
-        return self.output[:batch]
+        return self.output[:size]

@@ -1,10 +1,11 @@
+import json
 import operator
 import os
 import random
 from dataclasses import dataclass
-from time import perf_counter
 
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -12,9 +13,10 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.workers import Workers
 from nanovllm.sampling_params import SamplingParams, is_integer
 
-SEQ_ID_OF, TOKEN_IDS_OF = operator.attrgetter("seq_id"), operator.attrgetter("token_ids")
+FINISHED, STATUS_OF = SequenceStatus.FINISHED, operator.attrgetter("status")
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -23,9 +25,6 @@ def load_tokenizer(path: str):
     """The folder's tokenizer, or None when it ships none (prompts must then be token ids)."""
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
-    import json
-
-    from transformers import AutoTokenizer
     # transformers lets a JSON error escape without saying which file it was in: check them first.
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                  "vocab.json"):
@@ -47,13 +46,11 @@ class InFlightStep:
     """A step launched on the device and not yet accounted for."""
     step: ScheduledStep
     sampled: SampledTokens
-    num_tokens: int   # tokens it computes
-    num_decode: int   # of which decode tokens (counted only when step_records is on)
-    launch_s: float   # host time spent launching it
 
 
 class LLMEngine:
-    """Requests in, completions out: owns the tokenizer, scheduler, block manager and model runner."""
+    """Requests in, completions out: owns the tokenizer, scheduler, block manager and model runner
+    (and, with tensor parallelism, the worker processes of ranks 1..)."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -62,19 +59,14 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = eos
-        self.model_runner = ModelRunner(config)
+        workers = Workers(config) if config.tensor_parallel_size > 1 else None
+        self.model_runner = ModelRunner(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
-        self._in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
-        self.changes = 0  # steps that updated a sequence, and aborts: news for _run() to read
-        # Throughput counters since start: a step with any prefill tokens counts as prefill time.
-        self.counters = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0}
-        # Set to a list to record every step (bench.py --timeline): its wall time, the host's share
-        # of it (all but the model runner's launch and the wait for the sampled tokens), the
-        # accounted step's sequences, prefill and decode tokens, KV blocks in use, preemptions so far.
-        self.step_records: list[dict] | None = None
+        self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
+        self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
 
     # ---- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
@@ -169,61 +161,60 @@ class LLMEngine:
         return self._add_requests([prompt], sampling_params, stream=stream)[0]
 
     def abort(self, seq: Sequence):
+        """End seq now (finish_reason "abort"); its samples not queued yet end with it."""
         if not seq.is_finished:
+            ended = [seq, *seq.forks]
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
-            self.changes += 1
+            self._notify(ended)
 
     # ---- running ------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One scheduler iteration. Returns the sequences that got a token (finished ones included).
 
         Synchronous (async_scheduling=False): schedule a step, run it, wait for its tokens, account
-        for them. Overlapped (the default): schedule and launch step N+1, then account for step N,
-        whose tokens were copied back while N+1 was being prepared; the device never waits for
-        the host. Step N+1 decodes step N's tokens straight from the device, and so it may run a
-        sequence that step N turns out to have finished: complete() drops that token.
+        for them. Overlapped (the default): schedule and launch step N+1, then account for step N
+        while N+1 runs, so the device never waits for the host's bookkeeping. N+1 takes N's tokens
+        from the device's token table, and so it may run a sequence that N turns out to have
+        finished: complete() drops that token.
         """
-        start = perf_counter()
         launched = done = self._launch()
-        if self.config.async_scheduling:
-            done, self._in_flight = self._in_flight, launched
+        if self.config.async_scheduling:  # the one difference between the two loops
+            done, self.in_flight = self.in_flight, launched
         if done is None:
             assert launched is not None or self.scheduler.is_finished(), "scheduler made no progress"
             return []
-        wait_start = perf_counter()
         tokens, logprobs = done.sampled.result()
-        model_s = perf_counter() - wait_start + (launched.launch_s if launched is not None else 0.0)
-        updated = self.scheduler.complete(done.step, tokens, logprobs, done.sampled.array)
-        self.changes += bool(updated)
-        for seq in done.step.with_text:
-            self._update_text(seq)
-        kind = "decode" if done.num_tokens == len(done.step.seqs) else "prefill"
-        self.counters[f"{kind}_tokens"] += done.num_tokens
-        step_s = perf_counter() - start
-        self.counters[f"{kind}_time_s"] += step_s
-        if self.step_records is not None:
-            self.step_records.append({
-                "start": start, "step_s": step_s, "host_s": step_s - model_s, "num_seqs": len(done.step.seqs),
-                "prefill_tokens": done.num_tokens - done.num_decode, "decode_tokens": done.num_decode,
-                "used_blocks": self.block_manager.num_blocks - self.block_manager.num_free_blocks,
-                "preemptions": self.scheduler.num_preemptions})
+        updated = self.scheduler.complete(done.step, tokens, logprobs)
+        self._deliver(updated)
+        if self.recorder is not None:
+            self.recorder.step_accounted(done.step, self)
         return updated
 
-    def _launch(self) -> "InFlightStep | None":
+    def _launch(self) -> InFlightStep | None:
         """Schedule a step and start it on the device; None when nothing can be scheduled."""
-        seqs = self.scheduler.schedule()
-        if not seqs:
+        step = self.scheduler.schedule()
+        if step is None:
             return None
-        step = self.scheduler.plan(seqs)
-        num_tokens = int(step.num_new.sum())
-        num_decode = 0
-        if self.step_records is not None:  # decode rows: one token that completes the sequence
-            num_decode = int((step.samples & (step.num_new == 1) & (step.starts > 0)).sum())
-        launch_start = perf_counter()
-        sampled = self.model_runner.launch(step)
-        launch_s = perf_counter() - launch_start
-        return InFlightStep(self.scheduler.launched(step), sampled, num_tokens, num_decode, launch_s)
+        batch = step.batch()
+        sampled = self.model_runner.launch(batch, self.scheduler.sampling_inputs(step, batch))
+        return InFlightStep(step, sampled)
+
+    def _deliver(self, updated: list[Sequence]):
+        """The text of each sequence that got a token (where text is wanted: it may end at a stop
+        string), then the news to its caller's inbox (see _run)."""
+        for seq in updated:
+            if seq.detokenizer is not None:
+                self._update_text(seq)
+            if seq.inbox is not None:
+                seq.inbox.append(seq)
+
+    @staticmethod
+    def _notify(seqs: list[Sequence]):
+        """Put each of seqs in its caller's inbox (see _run)."""
+        for seq in seqs:
+            if seq.inbox is not None:
+                seq.inbox.append(seq)
 
     def _update_text(self, seq: Sequence):
         """Grow seq.text by its new token; end the sequence at a stop string."""
@@ -242,7 +233,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", stop
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self._in_flight is None
+        return self.scheduler.is_finished() and self.in_flight is None
 
     def _final_text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None:
@@ -268,68 +259,30 @@ class LLMEngine:
         return {**outs[0], "samples": outs} if len(outs) > 1 else outs[0]
 
     def _run(self, seqs: list[Sequence]):
-        """Step until every sequence in seqs has finished, yielding the ones of them that have news
-        (new tokens, or their end) since the last yield.
+        """Step until every sequence in seqs has finished, yielding after each step those of them
+        that have news (new tokens, or their end).
 
         The engine is shared: generate() and stream() calls may interleave, and any caller's step
-        advances every queued request. So news is read from the sequences' own state, never from
-        which step produced it: each call sees every token of its own sequences exactly once,
-        and steps only while one of them is unfinished. On any exception (or the caller closing
-        the generator) they are aborted, so no half-finished request keeps holding blocks.
+        advances every queued request. So each caller gives its sequences an inbox, where the
+        engine puts each one it updates or ends, whoever stepped: each call sees all the news of
+        its own sequences exactly once, and steps only while its inbox is empty. On any exception
+        (or the caller closing the generator) they are aborted, so no half-finished request keeps
+        holding blocks.
         """
-        seen = {seq.seq_id: len(seq.token_ids) for seq in seqs}  # tokens already reported, per sequence
-        pending = list(seqs)                                      # not yet reported as finished
-        read = -1  # the engine's self.changes when news was last read from all of pending
-        finished = -1  # the scheduler's num_finished when pending was last filtered
+        inbox: list[Sequence] = []
+        for seq in seqs:
+            seq.inbox = inbox
+        unfinished = {seq for seq in seqs if not seq.is_finished}
         try:
-            while pending:
-                news = []
-                if read != self.changes:
-                    read = self.changes
-                    news = [seq for seq in pending
-                            if seq.status is SequenceStatus.FINISHED or len(seq.token_ids) > seen[seq.seq_id]]
-                if not news:
-                    updated = self.step()
-                    if self.changes != read + bool(updated):  # (not just this step: read all of pending)
-                        continue
-                    # Only this step changed anything: its news is what it updated (the common case,
-                    # read without going through every pending sequence).
-                    read = self.changes
-                    news = updated if updated == pending else [seq for seq in updated if seq.seq_id in seen]
-                    if not news:
-                        continue
-                seen.update(zip(map(SEQ_ID_OF, news), map(len, map(TOKEN_IDS_OF, news))))
-                if finished != self.scheduler.num_finished:  # (else none of pending can have finished)
-                    finished = self.scheduler.num_finished
-                    pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
+            while unfinished:
+                if not inbox:
+                    self.step()
+                    continue
+                news = list(dict.fromkeys(inbox))  # (a sequence is there once per step that updated it)
+                inbox.clear()
+                if FINISHED in map(STATUS_OF, news):
+                    unfinished.difference_update([seq for seq in news if seq.is_finished])
                 yield news
-        except BaseException:
-            for seq in seqs:
-                self.abort(seq)
-            raise
-
-    def _run_to_end(self, seqs: list[Sequence], bar=None):
-        """Step until every sequence in seqs has finished: _run() for a caller that wants only
-        the end (generate()), so a step costs it no reading of news, just a check of whether any
-        sequence finished. Aborts them on any exception, as _run() does."""
-        pending = list(seqs)
-        finished = -1  # the scheduler's num_finished when pending was last filtered
-        try:
-            while pending:
-                if finished != self.scheduler.num_finished:  # (else none of pending can have finished)
-                    finished = self.scheduler.num_finished
-                    num_pending = len(pending)
-                    pending = [seq for seq in pending if seq.status is not SequenceStatus.FINISHED]
-                    if bar is not None:
-                        bar.update(num_pending - len(pending))
-                    if not pending:
-                        break
-                self.step()
-                if bar is not None:
-                    c = self.counters
-                    bar.set_postfix_str(f"prefill {c['prefill_tokens'] / max(c['prefill_time_s'], 1e-9):.0f} tok/s, "
-                                        f"decode {c['decode_tokens'] / max(c['decode_time_s'], 1e-9):.0f} tok/s",
-                                        refresh=False)
         except BaseException:
             for seq in seqs:
                 self.abort(seq)
@@ -345,7 +298,14 @@ class LLMEngine:
         requests = self._add_requests(prompts, sampling_params, stream=False)
         seqs = [seq for samples in requests for seq in samples]
         with tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            self._run_to_end(seqs, bar if use_tqdm else None)
+            num_tokens = 0
+            for news in self._run(seqs):
+                if use_tqdm:
+                    finished = [seq for seq in news if seq.is_finished]
+                    num_tokens += sum(seq.num_completion_tokens for seq in finished)
+                    bar.update(len(finished))
+                    bar.set_postfix_str(f"{num_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f} tok/s",
+                                        refresh=False)
         return [self.output(samples) for samples in requests]
 
     def stream(self, prompts, sampling_params):
@@ -413,6 +373,10 @@ class LLMEngine:
     def __exit__(self, *exc_info):
         self.shutdown()
 
+    def attach_recorder(self, recorder):
+        """Record every step from now on (bench.py: engine/recorder.py's StepRecorder); None detaches."""
+        self.recorder = self.model_runner.recorder = recorder
+
     def stats(self) -> dict:
         """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
         and waiting, and cumulative counts (preemptions, prompt tokens served by the prefix cache)."""
@@ -421,5 +385,5 @@ class LLMEngine:
                 "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_cached_tokens": self.block_manager.num_cached_tokens,
-                "peak_used_blocks": self.block_manager.peak_used_blocks, **self.counters,
+                "peak_used_blocks": self.block_manager.peak_used_blocks,
                 "tp_message_bytes": self.model_runner.last_message_bytes}

@@ -1,19 +1,17 @@
-from functools import partial
+from dataclasses import dataclass
+from time import perf_counter
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, padded_batch_size
-from nanovllm.engine.scheduler import ScheduledStep
-from nanovllm.engine.sequence import (FILTERS, FLAGS, FREQUENCY, HAS_MIN_TOKENS, LOGPROBS, MIN_P, MIN_TOKENS,
-                                      PENALIZED, PRESENCE, PROMPT, RANDOM, REPETITION, SEED, TEMPERATURE, TOP_K,
-                                      TOP_P, USES_MIN_P, WANTS_LOGPROBS)
-from nanovllm.engine.step_batch import BlockTables, StepBatch
+from nanovllm.engine.batch_state import Need, SamplingInputs
+from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_inputs, graph_batch_sizes, padded_batch_size
+from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch, TokenHistory
+from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
 from nanovllm.utils.loader import load_dummy, load_model
@@ -25,17 +23,29 @@ CPU_KV_CACHE_BYTES = 2 << 30
 # The decode graphs' memory is measured by capturing the largest one; the ladder's other graphs
 # share its pool but each adds an executable and pool fragments the probe does not see: a margin.
 GRAPH_MEMORY_MARGIN = 1.25
-# prepare() packs a step's inputs into one buffer, each part starting at a multiple of this many
-# elements: 16 bytes in int32, as Triton wants its pointers aligned.
-ALIGN = 4
+# A step's inputs travel in one int64 buffer, each part starting at a multiple of this many
+# elements (16 bytes): Triton specializes kernels on whether a pointer is 16-byte aligned, so a
+# part at an odd offset would compile another variant of every kernel that reads it.
+ALIGN = 2
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
-    """A host list or tensor on the device; through pinned memory when `pin`, so the copy is async."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if pin:
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device; on CUDA through pinned memory, so the copy is asynchronous
+    (the caching host allocator keeps the pinned buffer until the copy is done)."""
+    t = torch.from_numpy(array)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def flatten_writes(writes: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, offset, values) segments as three flat [N] arrays: each value's row and column."""
+    rows, cols, values = [], [], []
+    for row, offset, segment in writes:
+        rows += [row] * len(segment)
+        cols += range(offset, offset + len(segment))
+        values += segment
+    return np.array(rows), np.array(cols), np.array(values)
 
 
 class SampledTokens:
@@ -44,9 +54,9 @@ class SampledTokens:
 
     def __init__(self, tokens: torch.Tensor | None = None, logprobs: tuple | None = None,
                  num_logprobs: list[int | None] | None = None):
-        self.num_logprobs = num_logprobs  # per sampling sequence: its SamplingParams.logprobs
+        self.num_logprobs = num_logprobs  # per sampling row: its SamplingParams.logprobs
         self.event = None
-        self.array: np.ndarray | None = None  # result()'s tokens as an array
+        self.wait_s = 0.0  # how long result() waited for the device
         if tokens is not None and tokens.is_cuda:  # (a CUDA->CPU non_blocking copy lands in pinned memory)
             tokens = tokens.to("cpu", non_blocking=True)
             logprobs = tuple(t.to("cpu", non_blocking=True) if t is not None else None
@@ -56,14 +66,15 @@ class SampledTokens:
         self.tokens, self.logprobs = tokens, logprobs
 
     def result(self) -> tuple[list[int], list[dict] | None]:
-        """The sampled token per sequence, and (when any asked) per-sequence logprob dicts
+        """The sampled token per sampling row, and (when any asked) per-row logprob dicts
         {token_id: logprob} holding the chosen token and the top `logprobs` alternatives."""
         if self.tokens is None:
             return [], None
         if self.event is not None:
+            start = perf_counter()
             self.event.synchronize()
-        self.array = self.tokens.numpy()
-        tokens = self.array.tolist()
+            self.wait_s = perf_counter() - start
+        tokens = self.tokens.tolist()
         if self.logprobs is None:
             return tokens, None
         chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs)
@@ -78,23 +89,38 @@ class SampledTokens:
         return tokens, dicts
 
 
-class ModelRunner:
-    """Turns a scheduled batch into flat tensors, runs the model over the paged KV cache, samples.
+@dataclass
+class StepInputs:
+    """One step laid out on the device: the row and position of each new token, back to back."""
+    rows: torch.Tensor        # [T] int64
+    positions: torch.Tensor   # [T] int64
+    context: Context
+    input_ids: torch.Tensor | None  # [T] eager steps (a graph replay gathers its own)
+    graph_size: int           # the captured batch size it replays at; 0: eager
 
-    With tensor parallelism, rank 0's runner (group None: it builds the group and spawns the other
-    ranks) sends each step's `StepBatch` to the workers' runners, and all ranks execute it together.
+
+class ModelRunner:
+    """Runs steps of the model over the paged KV cache, and samples. Every rank has one; rank 0's
+    is handed the tensor-parallel `workers` (engine/workers.py) and sends them each step.
+
+    Its device state, indexed by the rows of the running batch (engine/batch_state.py), one extra
+    row of scratch for the padding rows of CUDA graphs:
+      token_table  [rows + 1, max_model_len] int32  each running sequence's tokens: written when
+                   it takes its row (StepBatch.new_tokens) and by the sampler, which writes each
+                   token it draws at its position. Every step gathers its input ids from it, so a
+                   decode step's inputs are the last step's samples without the host seeing them.
+      block_tables [rows + 1, max_blocks_per_seq] int32  each one's block table, grown by
+                   StepBatch.new_blocks; the scratch row points at the spare KV block.
     """
 
-    def __init__(self, config: Config, group: TPGroup | None = None):
+    def __init__(self, config: Config, group: TPGroup | None = None, workers=None):
         self.config = config
         self.block_size = config.block_size
-        self.workers = None
-        if group is None and config.tensor_parallel_size > 1:
-            from nanovllm.engine.workers import Workers
-            self.workers = Workers(config)
-            group = self.workers.group
+        self.workers = workers  # rank 0 with tensor parallelism: the processes of ranks 1..
         self.group = group
         self.rank = group.rank if group is not None else 0
+        self.recorder = None    # bench.py's StepRecorder, when attached (engine/recorder.py)
+        self.last_message_bytes = 0
         try:
             self._build(config)
         except BaseException:
@@ -107,12 +133,6 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.pin = self.device.type == "cuda"  # pinned host buffers make host->device copies async
-        self.tables = BlockTables(config.max_num_seqs, config.max_blocks_per_seq, config.block_size)
-        # CUDA only, set to a list to time steps on the device (bench.py): per step (decode only?,
-        # start event, end event), the start recorded before the step's first launch.
-        self.step_events: list | None = None
-        self.last_message_bytes = 0
         model_class = resolve_model_class(config.hf_config, config.max_model_len)
         with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
             self.model = model_class(config.hf_config, config.max_model_len)
@@ -125,12 +145,13 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
-        self.last_sampled: torch.Tensor | None = None  # [S] the last step's sampled tokens, on the device
+        self.scratch_row = config.max_num_seqs
+        self.token_table = torch.zeros(config.max_num_seqs + 1, config.max_model_len, dtype=torch.int32,
+                                       device=self.device)
+        self.block_tables = torch.zeros(config.max_num_seqs + 1, config.max_blocks_per_seq, dtype=torch.int32,
+                                        device=self.device)
+        self.arange_d = torch.arange(config.max_num_seqs, device=self.device)  # (read-only)
         self.arange = np.arange(config.max_num_seqs + 1)  # (read-only: prepare() slices it)
-        # (a function of its own, not the bound self._to_device: that would make a reference cycle
-        # runner -> history -> runner, keeping the model alive after `del llm` until gc runs)
-        self.token_history = TokenHistory(config.max_num_seqs, config.max_model_len,
-                                          partial(to_device, device=self.device, pin=self.pin))
         # The torch backend loops over sequences on the host: it cannot be captured.
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch"
         # The CUDA-graph ladder, eager steps included: a decode step records the size it pads to
@@ -140,11 +161,10 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if self.use_graphs else None
 
     def _capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
-        config = self.config
         max_batch = self.graph_sizes[-1]
-        return DecodeGraphs(self.model, max_batch, config.max_blocks_per_seq, config.max_model_len,
-                            config.hf_config.hidden_size, config.dtype, self.device,
-                            sizes=[max_batch] if largest_only else None)
+        return DecodeGraphs(self.model, self.token_table, self.block_tables, self.block_size, self.scratch_row,
+                            max_batch, self.config.max_model_len, self.config.hf_config.hidden_size,
+                            self.config.dtype, sizes=[max_batch] if largest_only else None)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -211,12 +231,13 @@ class ModelRunner:
             return
         layer = self.attention_layers[0]
         # [K/V, layer, block, slot in block, kv head, head dim]. One spare block at the end, never
-        # handed out: slot -1 (CUDA-graph padding rows) writes into its last slot, harmlessly.
+        # handed out: the scratch row's tokens (CUDA-graph padding) write and read there, harmlessly.
         cache = torch.zeros(2, len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads,
                             layer.head_dim, dtype=self.config.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
         self.kv_cache = cache
+        self.block_tables[self.scratch_row] = num_blocks
 
     @torch.inference_mode()
     def _warmup(self):
@@ -226,12 +247,13 @@ class ModelRunner:
         lens = [config.max_model_len] * (num_tokens // config.max_model_len)
         if num_tokens % config.max_model_len:
             lens.append(num_tokens % config.max_model_len)
-        cu = torch.tensor([0] + lens).cumsum(0).tolist()
+        cu = np.cumsum([0] + lens, dtype=np.int32)
         rows = min(config.max_num_seqs, num_tokens)
-        context = Context(cu_seqlens_q_cpu=cu, seq_lens_k_cpu=lens, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
-                          cu_seqlens_q=self._to_device(cu, torch.int32), cu_seqlens_k=self._to_device(cu, torch.int32),
-                          seq_lens_k=self._to_device(lens, torch.int32),
-                          logits_indices=self._to_device(list(range(num_tokens - rows, num_tokens)), torch.int64))
+        context = Context(cu_seqlens_q_cpu=cu.tolist(), seq_lens_k_cpu=lens, max_seqlen_q=max(lens),
+                          max_seqlen_k=max(lens), cu_seqlens_q=to_device(cu, self.device),
+                          cu_seqlens_k=to_device(cu, self.device),
+                          seq_lens_k=to_device(np.array(lens, dtype=np.int32), self.device),
+                          logits_indices=torch.arange(num_tokens - rows, num_tokens, device=self.device))
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         with forward_context(context):
@@ -245,197 +267,181 @@ class ModelRunner:
         del logits
 
     # ---- one step ---------------------------------------------------------------------------
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, dtype, self.device, self.pin)
-
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """Flatten a step: the new tokens of all sequences, back to back, and their attention metadata.
-
-        Vectorized over the persistent block tables (numpy on the host), and everything the
-        device needs goes over in one host-to-device copy of one buffer (int64 parts, then int32)."""
-        num_seqs, bs = len(batch.seq_ids), self.block_size
-        starts = batch.starts.astype(np.int64)                                       # [B]
-        rows = self.tables.rows_of(batch.seq_ids)                                    # [B]
-        decode_only = len(batch.token_ids) == num_seqs  # (every sequence has at least one new token)
-        if decode_only:
-            cu_q = self.arange[:num_seqs + 1]                                        # [B+1]
-            num_new, positions, seq_rows, samples = 1, starts, rows, None            # [T] = [B]
-        else:
-            cu_q = np.zeros(num_seqs + 1, dtype=np.int64)
-            num_new = batch.num_new.astype(np.int64)                                 # [B]
-            np.cumsum(num_new, out=cu_q[1:])
-            seq_of_token = np.repeat(np.arange(num_seqs), num_new)                   # [T]
-            positions = starts[seq_of_token] + np.arange(len(seq_of_token)) - cu_q[:-1][seq_of_token]
-            seq_rows, samples = rows[seq_of_token], batch.samples
-        lens_k = starts + num_new                                                    # [B]
-        block, offset = np.divmod(positions, bs)
-        slot_mapping = self.tables.tables[seq_rows, block] * bs + offset             # [T]
-        max_len_k = int(lens_k.max())
-        # some sequence attends to cached K/V: pass block tables
-        has_context = max_len_k > 1 if decode_only else bool(starts.any())
-        width = -(-max_len_k // bs) if has_context else 0
-        logits_indices = self.arange[:num_seqs] if samples is None else (cu_q[1:] - 1)[samples]  # [S]
-        cu_k = None  # [B+1], for the prefill kernels only
-        if not decode_only:
-            cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
-            np.cumsum(lens_k, out=cu_k[1:])
-        # int64 parts, then the int32 ones
-        num_from_last = len(batch.from_last_step) // 2
-        # A decode step whose every input token is the last step's sampled one, in the same order
-        # (overlap scheduling's steady state): the input ids are that tensor itself.
-        feeds_back = (decode_only and num_from_last == num_seqs
-                      and (batch.from_last_step is self.tables.feedback(num_seqs)  # (rank 0's steady state)
-                           or (batch.from_last_step[num_seqs:] == self.arange[:num_seqs]).all()))
-        parts = [positions, slot_mapping, logits_indices]
-        if not feeds_back:
-            parts.insert(0, batch.token_ids)
-            if num_from_last:  # [2 * P]: indices in input_ids, then rows of last_sampled
-                parts.append(batch.from_last_step)
-        num_int64 = len(parts)
-        parts += [cu_q, lens_k, self.tables.tables[rows, :width].ravel()]             # ..., [B * W]
-        if cu_k is not None:
-            parts.append(cu_k)
-        # Each part starts at a multiple of ALIGN elements: Triton specializes kernels on whether
-        # a pointer is 16-byte aligned, so a view at an odd offset would compile another variant.
-        offsets, end = [], 0
-        for p in parts:
-            offsets.append(end)
-            end += -(-len(p) // ALIGN) * ALIGN
-        flat = np.zeros(end, dtype=np.int64)
-        flat32 = flat.view(np.int32)  # the int32 parts are written as int32 into the same buffer
-        for i, (p, o) in enumerate(zip(parts, offsets)):
-            if i < num_int64:
-                flat[o:o + len(p)] = p
-            else:
-                flat32[2 * o:2 * o + len(p)] = p
-        flat = self._to_device(torch.from_numpy(flat), torch.int64)
-        flat32 = flat.view(torch.int32)
-        views = [flat[o:o + len(p)] if i < num_int64 else flat32[2 * o:2 * o + len(p)]
-                 for i, (p, o) in enumerate(zip(parts, offsets))]
-        cu_q_d, lens_d, tables_d, *cu_k_d = views[num_int64:]
-        if feeds_back:
-            pos, slots, logits_d = views[:num_int64]
-            input_ids = self.last_sampled[:num_seqs]
-        else:
-            input_ids, pos, slots, logits_d, *last = views[:num_int64]
-            if last:  # tokens the last step sampled, still on the device: overlap scheduling
-                dst, src = last[0].view(2, -1)
-                input_ids[dst] = self.last_sampled[src]
-        context = Context(
-            cu_seqlens_q=cu_q_d, cu_seqlens_k=cu_k_d[0] if cu_k_d else None, seq_lens_k=lens_d,
-            max_seqlen_q=1 if decode_only else int(num_new.max()), max_seqlen_k=max_len_k,
-            slot_mapping=slots, block_tables=tables_d.view(num_seqs, width) if has_context else None,
-            logits_indices=logits_d, decode_only=decode_only, cu_seqlens_q_cpu=cu_q.tolist(),
-            seq_lens_k_cpu=lens_k.tolist(),
-            padded_batch=padded_batch_size(num_seqs, self.graph_sizes) if decode_only else 0,
-            max_model_len=self.config.max_model_len)
-        return input_ids, pos, context
-
-    def sampling_batch(self, step: ScheduledStep, vocab_size: int) -> SamplingBatch:
-        """Gather the sampling parameters of the step's sampling rows, written once per sequence
-        in the scheduler's SeqState, into device tensors: one copy of the int rows and one of the
-        float rows, each holding only what some row of the batch uses."""
-        ints = step.ints if step.all_sample else step.ints[:, step.samples]  # [NUM_INTS, S]
-        needs = int(np.bitwise_or.reduce(ints[FLAGS]))  # what any row of the batch needs
-        all_greedy = not needs & RANDOM
-        filters, min_p, penalties = needs & FILTERS, needs & USES_MIN_P, needs & PENALIZED
-        if needs & (RANDOM | FILTERS | USES_MIN_P | PENALIZED):
-            floats = step.state.floats[:, step.index if step.all_sample else step.cols[step.samples]]  # [6, S]
-        int_rows, float_rows = [], []
-        if not all_greedy:  # greedy rows use none of these: the sampler takes the argmax
-            int_rows += [ints[SEED], step.ends[step.samples]]  # (the position of the token sampled)
-            float_rows.append(floats[TEMPERATURE])
-        if filters:
-            int_rows.append(ints[TOP_K])
-            float_rows.append(floats[TOP_P])
-        if min_p:
-            float_rows.append(floats[MIN_P])
-        if penalties:
-            float_rows += [floats[PRESENCE], floats[FREQUENCY], floats[REPETITION]]
-        ints_d = iter(self._to_device(torch.from_numpy(np.stack(int_rows)), torch.int64)) if int_rows else None
-        floats_d = iter(self._to_device(torch.from_numpy(np.stack(float_rows)), torch.float32)) if float_rows else None
-        batch = SamplingBatch(temperatures=None if all_greedy else next(floats_d),
-                              seeds=None if all_greedy else next(ints_d),
-                              positions=None if all_greedy else next(ints_d), all_greedy=all_greedy)
-        if filters:
-            batch.top_ks, batch.top_ps = next(ints_d), next(floats_d)
-        if min_p:
-            batch.min_ps = next(floats_d)
-        if penalties or needs & HAS_MIN_TOKENS:
-            sampling = [step.seqs[i] for i in np.flatnonzero(step.samples).tolist()]
-        if penalties:
-            batch.penalties = (*self.token_history.inputs(sampling, vocab_size), next(floats_d), next(floats_d),
-                               next(floats_d))
-        if needs & HAS_MIN_TOKENS:  # min_tokens: no stop token can be drawn yet
-            early = np.flatnonzero(step.ends[step.samples] - ints[PROMPT] < ints[MIN_TOKENS]).tolist()
-            banned = [(i, t) for i in early for t in sampling[i].stop_ids]
-            if banned:
-                batch.banned = tuple(self._to_device(torch.tensor(list(zip(*banned)), dtype=torch.int64),
-                                                     torch.int64))
-        if needs & WANTS_LOGPROBS:
-            batch.num_logprobs = int(ints[LOGPROBS].max())
-        return batch
-
     @torch.inference_mode()
-    def launch(self, step: ScheduledStep) -> "SampledTokens":
+    def launch(self, batch: StepBatch, sampling: SamplingInputs) -> SampledTokens:
         """Start one step (rank 0) and return without waiting for the device: the sampled tokens
-        come back through the returned handle, and stay on the device as the next step's input
-        ids for these sequences (`last_sampled`)."""
+        come back through the returned handle (and are in the token table for the next step)."""
         if self.group is not None and self.workers is None:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
-        batch = self.tables.encode(step)
         if self.workers is not None:
             self.last_message_bytes = self.workers.call("execute", batch)
-        if self.step_events is not None:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
         try:
-            logits = self.execute(batch)
+            logits, inputs = self._run(batch)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
         out = SampledTokens()
         if logits is not None:
-            sampling_batch = self.sampling_batch(step, logits.shape[-1])
-            tokens, logprobs = self.sampler.forward(logits, sampling_batch)  # (no module hooks to run)
-            if sampling_batch.penalties is not None:
-                self.token_history.record(tokens)
-            self._share_sampled(tokens)
-            num_logprobs = None
-            if logprobs is not None:  # per sampling row: its SamplingParams.logprobs
-                num_logprobs = [k if k >= 0 else None for k in step.state.ints[LOGPROBS, step.cols[step.samples]].tolist()]
-            out = SampledTokens(tokens, logprobs, num_logprobs)
-        if self.step_events is not None:  # the end of the step's device work, not of the readback
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.step_events.append((bool((batch.num_new == 1).all()), start, end))
+            tokens, logprobs = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
+            self._keep_sampled(tokens, inputs)
+            out = SampledTokens(tokens, logprobs, sampling.num_logprobs)
+        if self.recorder is not None:
+            self.recorder.device_step_ended(batch)
         return out
 
-    def _share_sampled(self, tokens: torch.Tensor):
-        """Keep a step's sampled tokens on the device as the next step's input ids. With overlap
-        scheduling and tensor parallelism every rank needs them: rank 0 broadcasts them, a
-        device-side collective with no host round trip (the other ranks receive in execute())."""
-        self.last_sampled = tokens
-        if self.group is not None and self.config.async_scheduling:
-            self.group.broadcast(tokens)
-
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor | None:
-        """Every rank's share of a step: the forward, and logits on rank 0 when a sequence samples."""
-        if self.rank > 0:
-            self.tables.apply(batch)
-        input_ids, positions, context = self.prepare(batch)
-        with forward_context(context):
-            if self.graphs is not None and self.graphs.can_run(context, len(batch.seq_ids)):
-                hidden = self.graphs.run(input_ids, positions, context)
+    def execute(self, batch: StepBatch):
+        """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
+        _, inputs = self._run(batch)
+        if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
+            self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)
+
+    def _run(self, batch: StepBatch) -> tuple[torch.Tensor | None, StepInputs]:
+        """The forward of a step, and its logits on rank 0 when a sequence samples (else None)."""
+        inputs = self.prepare(batch)
+        with forward_context(inputs.context):
+            if inputs.graph_size:
+                hidden = self.graphs.replay(inputs.rows, inputs.positions, inputs.graph_size)[:batch.num_seqs]
             else:
-                hidden = self.model(input_ids, positions)
+                hidden = self.model(inputs.input_ids, inputs.positions)
             logits = self.model.compute_logits(hidden) if batch.samples.any() else None
-        if self.rank > 0 and logits is None and batch.samples.any() and self.config.async_scheduling:
-            # rank 0's _share_sampled(): this step's tokens, the next step's input ids
-            self.last_sampled = self.group.broadcast(
-                torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device))
-        return logits
+        return logits, inputs
+
+    def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
+        """Write the step's sampled tokens ([S], on the device) into the token table, each after
+        the last token of its row's chunk: the next step reads its input ids there. With tensor
+        parallelism rank 0 broadcasts them first, a device-side collective with no host round trip."""
+        if self.group is not None:
+            self.group.broadcast(tokens)
+        rows, positions = inputs.rows, inputs.positions
+        if len(tokens) != len(rows):  # (else each token is a sampling row's last one: a decode step)
+            last = inputs.context.logits_indices  # [S] the index of each sampling row's last token
+            rows, positions = rows[last], positions[last]
+        self.token_table[rows, positions + 1] = tokens.to(torch.int32)
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
+        attention metadata; write the step's block-table entries and new rows' tokens on the way.
+        Everything goes to the device in one copy."""
+        num_seqs = batch.num_seqs
+        starts, num_new = batch.starts.astype(np.int64), batch.num_new.astype(np.int64)  # [B]
+        cu_q = np.zeros(num_seqs + 1, dtype=np.int64)                                # [B+1]
+        np.cumsum(num_new, out=cu_q[1:])
+        num_tokens = int(cu_q[-1])
+        decode_only = num_tokens == num_seqs  # (every sequence has at least one new token)
+        if decode_only:
+            rows, positions = batch.rows, starts                                     # [T] = [B]
+        else:
+            seq_of_token = np.repeat(self.arange[:num_seqs], num_new)                # [T]
+            rows = batch.rows[seq_of_token]
+            positions = starts[seq_of_token] + (np.arange(num_tokens) - cu_q[:-1][seq_of_token])
+        graph_size = 0
+        if decode_only and self.graphs is not None and num_seqs <= self.graphs.max_batch:
+            graph_size = padded_batch_size(num_seqs, self.graphs.sizes)  # padding rows read the scratch row
+            rows = np.concatenate([rows, np.full(graph_size - num_seqs, self.scratch_row)])
+            positions = np.concatenate([positions, np.zeros(graph_size - num_seqs, dtype=np.int64)])
+        lens_k = starts + num_new                                                    # [B]
+        parts = {"rows": rows, "positions": positions, "cu_q": cu_q, "lens_k": lens_k}
+        all_decode_and_sample = decode_only and batch.samples.all()
+        if not all_decode_and_sample:
+            parts["logits_indices"] = (cu_q[1:] - 1)[batch.samples]
+        if not decode_only:
+            parts["step_rows"] = batch.rows
+            cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(lens_k, out=cu_k[1:])
+            parts["cu_k"] = cu_k
+        if batch.new_blocks:
+            parts["block_rows"], parts["block_cols"], parts["block_ids"] = flatten_writes(batch.new_blocks)
+        if batch.new_tokens:
+            parts["token_rows"], parts["token_cols"], parts["token_ids"] = flatten_writes(
+                [(row, 0, tokens) for row, tokens in batch.new_tokens])
+        if self.recorder is not None:
+            self.recorder.device_step_started()
+        d = self.upload(parts)
+        if batch.new_blocks:
+            self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
+        if batch.new_tokens:
+            self.token_table[d["token_rows"], d["token_cols"]] = d["token_ids"].int()
+        max_len_k = int(lens_k.max())
+        # some sequence attends to cached K/V: pass block tables (else attention reads the new K/V)
+        has_context = max_len_k > 1 if decode_only else bool(starts.any())
+        width = -(-max_len_k // self.block_size) if has_context else 0
+        step_rows = d["rows"] if decode_only else d["step_rows"]
+        # [S] the index of each sampling row's last token: every token in a decode step where all sample
+        logits_indices = self.arange_d[:num_tokens] if all_decode_and_sample else d["logits_indices"]
+        context = Context(
+            cu_seqlens_q=d["cu_q"].int(), cu_seqlens_k=d["cu_k"].int() if "cu_k" in d else None,
+            seq_lens_k=d["lens_k"].int(), max_seqlen_q=1 if decode_only else int(num_new.max()),
+            max_seqlen_k=max_len_k,
+            block_tables=self.block_tables[step_rows, :width] if has_context and not graph_size else None,
+            logits_indices=logits_indices, decode_only=decode_only,
+            cu_seqlens_q_cpu=cu_q.tolist(), seq_lens_k_cpu=lens_k.tolist(),
+            padded_batch=padded_batch_size(num_seqs, self.graph_sizes) if decode_only else 0,
+            max_model_len=self.config.max_model_len)
+        input_ids = None
+        if not graph_size:
+            input_ids, context.slot_mapping = gather_inputs(self.token_table, self.block_tables, d["rows"],
+                                                            d["positions"], self.block_size)
+        return StepInputs(d["rows"], d["positions"], context, input_ids, graph_size)
+
+    def upload(self, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Named int64 host arrays on the device, in one copy of one buffer (each part aligned)."""
+        offsets, end = {}, 0
+        for name, part in parts.items():
+            offsets[name] = end
+            end += -(-len(part) // ALIGN) * ALIGN
+        flat = np.empty(end, dtype=np.int64)
+        for name, part in parts.items():
+            flat[offsets[name]:offsets[name] + len(part)] = part
+        device = to_device(flat, self.device)
+        return {name: device[offsets[name]:offsets[name] + len(part)] for name, part in parts.items()}
+
+    def sampling_batch(self, inputs: SamplingInputs, vocab_size: int) -> SamplingBatch:
+        """The step's sampling parameters as device tensors, [S] each: one copy of the int64 ones
+        and one of the float32 ones, holding only what some row of the batch uses."""
+        needs = inputs.needs
+        ints, floats = {}, {}
+        if needs & Need.RANDOM:
+            ints["seeds"], ints["positions"] = inputs.seeds, inputs.positions
+            floats["temperatures"] = inputs.temperatures
+        if needs & Need.FILTERS:
+            ints["top_ks"], floats["top_ps"] = inputs.top_ks, inputs.top_ps
+        if needs & Need.MIN_P:
+            floats["min_ps"] = inputs.min_ps
+        if needs & Need.PENALTIES:
+            p = inputs.penalties
+            ints["rows"], ints["lengths"], ints["num_prompt_tokens"] = inputs.rows, inputs.positions, p["num_prompt_tokens"]
+            floats.update(presence=p["presence"], frequency=p["frequency"], repetition=p["repetition"])
+        if inputs.banned is not None:
+            banned = to_device(np.array(inputs.banned, dtype=np.int64), self.device)
+        ints, floats = self._stacked(ints, np.int64), self._stacked(floats, np.float32)
+        batch = SamplingBatch(temperatures=floats.get("temperatures"), seeds=ints.get("seeds"),
+                              positions=ints.get("positions"), top_ks=ints.get("top_ks"), top_ps=floats.get("top_ps"),
+                              min_ps=floats.get("min_ps"), all_greedy=not needs & Need.RANDOM)
+        if needs & Need.PENALTIES:
+            seen, generated = self._penalty_tokens(ints["rows"], ints["lengths"], ints["num_prompt_tokens"],
+                                                   int(inputs.positions.max()), vocab_size)
+            batch.penalties = (seen, generated, floats["presence"], floats["frequency"], floats["repetition"])
+        if inputs.banned is not None:
+            batch.banned = (banned[0], banned[1])
+        if needs & Need.LOGPROBS:
+            batch.num_logprobs = max(k for k in inputs.num_logprobs if k is not None)
+        return batch
+
+    def _stacked(self, arrays: dict[str, np.ndarray], dtype) -> dict[str, torch.Tensor]:
+        """Equal-length host arrays on the device, in one copy."""
+        if not arrays:
+            return {}
+        stacked = to_device(np.stack([a.astype(dtype, copy=False) for a in arrays.values()]), self.device)
+        return dict(zip(arrays, stacked))
+
+    def _penalty_tokens(self, rows, lengths, num_prompt_tokens, max_length: int, vocab_size: int):
+        """apply_penalties' (seen, generated), [S, max_length] each: the tokens of each sampling
+        row before the one it samples, read from the token table; completion tokens only in
+        `generated`; both padded with vocab_size (a column that exists only in the penalties)."""
+        pos = torch.arange(max_length, device=self.device)[None, :]
+        seen = self.token_table[rows, :max_length].long().masked_fill_(pos >= lengths[:, None], vocab_size)
+        return seen, seen.masked_fill(pos < num_prompt_tokens[:, None], vocab_size)
 
     def close(self):
         """End the worker processes (rank 0); the runner is unusable afterwards."""

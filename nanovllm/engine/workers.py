@@ -1,8 +1,8 @@
 """Tensor-parallel ranks 1..N-1: spawned processes that replay rank 0's calls step by step.
 
-Rank 0 (the engine's process) owns a `Workers`: it creates the engine's own rendezvous store on a
-free port, spawns one process per extra rank and sends each a pickled `(method, args)` per call
-over a pipe. The workers run the same ModelRunner method, so the collectives inside the model
+The engine (rank 0's process) creates a `Workers` and hands it to its ModelRunner. It creates
+the engine's own rendezvous store on a free port, spawns one process per extra rank and sends
+each a pickled `(method, args)` per call over a pipe. The workers run the same ModelRunner method, so the collectives inside the model
 (all-reduce, gather) line up. Workers ignore Ctrl-C (rank 0 decides), and exit when told to,
 when their pipe closes (rank 0 died), or are terminated on close.
 """
@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.utils.parallel import TPGroup
 
 STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
@@ -23,7 +24,6 @@ JOIN_TIMEOUT_S = 10                     # a worker told to exit gets this long b
 
 def _worker_main(config: Config, rank: int, store_port: int, conn):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from nanovllm.engine.model_runner import ModelRunner
     store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
                           timeout=STORE_TIMEOUT)
     conn.send("started")

@@ -167,67 +167,6 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.T
     return logits[:, :vocab]
 
 
-class TokenHistory:
-    """The token ids of each sequence that samples with penalties, kept on the device, so the
-    penalties' inputs cost O(new tokens) of host work a step rather than O(all tokens). The token
-    a step samples is written there on the device (record()), so a step never waits for the host
-    to know the last one (overlap scheduling).
-
-    tokens [max_rows + 1, max_len] int32: row r holds one sequence's prompt and completion; the
-    last row is scratch, for the rows of a batch without penalties (their history reads as
-    empty). A sequence gets a row the first step it samples with penalties and gives it up the
-    first step with penalties it does not sample in; if it comes back (after preemption, say) its
-    row is written whole again.
-    """
-
-    def __init__(self, max_rows: int, max_len: int, to_device):
-        self.max_rows, self.max_len, self.to_device = max_rows, max_len, to_device
-        self.tokens: torch.Tensor | None = None  # allocated at first use: most runs never need it
-        self.rows: dict[int, int] = {}           # seq_id -> row
-        self.written: dict[int, int] = {}        # seq_id -> tokens of it in its row (or being sampled there)
-        self.meta: torch.Tensor | None = None    # the last inputs()' [3, B]: rows, lengths, prompt lengths
-
-    def inputs(self, seqs, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """apply_penalties' (seen, generated), [len(seqs), L] each, for these sampling sequences."""
-        if self.tokens is None:
-            self.tokens = self.to_device(torch.zeros(self.max_rows + 1, self.max_len, dtype=torch.int32), torch.int32)
-        tracked = [seq for seq in seqs if seq.sampling_params.has_penalties]
-        live = {seq.seq_id for seq in tracked}
-        for seq_id in [i for i in self.rows if i not in live]:
-            del self.rows[seq_id], self.written[seq_id]
-        free = sorted(set(range(self.max_rows)) - set(self.rows.values()), reverse=True)
-        new_rows, new_pos, new_ids = [], [], []
-        for seq in tracked:
-            if seq.seq_id not in self.rows:
-                assert not seq.num_pending, "a new history row must start from tokens the host knows"
-                self.rows[seq.seq_id], self.written[seq.seq_id] = free.pop(), 0
-            start = self.written[seq.seq_id]
-            ids = seq.token_ids[start:]  # the ones the device lacks (pending ones it has from record())
-            new_rows += [self.rows[seq.seq_id]] * len(ids)
-            new_pos += range(start, start + len(ids))
-            new_ids += ids
-            self.written[seq.seq_id] = seq.num_tokens + 1  # + the token this step samples
-        scratch = self.max_rows
-        meta = ([self.rows.get(s.seq_id, scratch) for s in seqs],
-                [s.num_tokens if s.seq_id in live else 0 for s in seqs], [s.num_prompt_tokens for s in seqs])
-        n, b = len(new_ids), len(seqs)
-        flat = self.to_device(torch.tensor([*new_rows, *new_pos, *new_ids, *meta[0], *meta[1], *meta[2]],
-                                           dtype=torch.int64), torch.int64)  # one copy: [3N + 3B]
-        new, meta = flat[:3 * n].view(3, n), flat[3 * n:].view(3, b)
-        if n:
-            self.tokens[new[0], new[1]] = new[2].int()
-        self.meta = meta
-        length = max((seq.num_tokens for seq in tracked), default=0)
-        pos = torch.arange(length, device=meta.device)[None, :]
-        seen = self.tokens[meta[0], :length].long().masked_fill_(pos >= meta[1, :, None], vocab_size)  # [B, L]
-        return seen, seen.masked_fill(pos < meta[2, :, None], vocab_size)
-
-    def record(self, sampled: torch.Tensor):
-        """Write the tokens just sampled from the last inputs()' batch ([B], on the device) into
-        their rows, at the position each was sampled for."""
-        self.tokens[self.meta[0], self.meta[1]] = sampled.int()
-
-
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters on the device, [B] each; optional parts are None when no row

@@ -1,0 +1,114 @@
+"""The rows of the running batch, and what must be read per row at every step in one vectorized go.
+
+A running sequence holds one row, from its admission until it finishes or is preempted. The row
+is the sequence's address on the device: the row of its tokens in the model runner's token table
+and of its block table (each rank keeps its own copy of both, written by the step messages).
+Here, on the host, a row holds the sampling parameters of the sequence that holds it, written once
+when it takes the row, so that a step's sampling inputs are one gather of its sampling rows rather
+than a Python loop over SamplingParams.
+"""
+from dataclasses import dataclass
+from enum import IntFlag
+
+import numpy as np
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Need(IntFlag):
+    """Which parts of the sampler a row uses; a step ORs the needs of its rows, and the sampler
+    skips what no row uses."""
+    RANDOM = 1       # temperature > 0 (else greedy: the argmax)
+    FILTERS = 2      # top_k or top_p
+    MIN_P = 4
+    PENALTIES = 8    # presence, frequency or repetition penalty
+    MIN_TOKENS = 16  # stop tokens are banned until min_tokens
+    LOGPROBS = 32
+
+
+def needs_of(params) -> Need:
+    return ((Need.RANDOM if params.temperature > 0 else 0) | (Need.FILTERS if params.top_k > 0 or params.top_p < 1 else 0)
+            | (Need.MIN_P if params.min_p > 0 else 0) | (Need.PENALTIES if params.has_penalties else 0)
+            | (Need.MIN_TOKENS if params.min_tokens else 0) | (Need.LOGPROBS if params.logprobs is not None else 0))
+
+
+@dataclass
+class SamplingInputs:
+    """A step's sampling parameters on the host, one entry per sampling row (in the step's order).
+    Parts no row needs are None."""
+    needs: Need
+    rows: np.ndarray                     # [S] int64 their rows (penalties read their tokens from the table)
+    positions: np.ndarray                # [S] int64 position of the token each samples
+    seeds: np.ndarray | None = None      # [S] int64, with temperatures, when some row is not greedy
+    temperatures: np.ndarray | None = None  # [S] float32
+    top_ks: np.ndarray | None = None     # [S] int64 (-1: off), with top_ps
+    top_ps: np.ndarray | None = None     # [S] float32
+    min_ps: np.ndarray | None = None     # [S] float32
+    penalties: dict[str, np.ndarray] | None = None  # presence, frequency, repetition [S] float32; num_prompt_tokens [S] int64
+    banned: tuple[list[int], list[int]] | None = None  # (sampling row index, token id): stop tokens before min_tokens
+    num_logprobs: list[int | None] | None = None  # per row: its SamplingParams.logprobs
+
+
+class BatchState:
+    """Row allocation, and the per-row sampling parameters of the running sequences: one numpy
+    array per parameter, [num_rows], written by take_row() alone."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+        self.free_rows = list(range(num_rows - 1, -1, -1))  # popped from the end: the lowest first
+        self.needs = np.zeros(num_rows, dtype=np.int64)
+        self.seed = np.zeros(num_rows, dtype=np.int64)
+        self.temperature = np.zeros(num_rows, dtype=np.float32)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)
+        self.top_p = np.zeros(num_rows, dtype=np.float32)
+        self.min_p = np.zeros(num_rows, dtype=np.float32)
+        self.presence_penalty = np.zeros(num_rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(num_rows, dtype=np.float32)
+        self.repetition_penalty = np.zeros(num_rows, dtype=np.float32)
+        self.num_prompt_tokens = np.zeros(num_rows, dtype=np.int64)
+
+    def take_row(self, seq: Sequence):
+        """seq is admitted: give it a free row and write its sampling parameters there."""
+        row = self.free_rows.pop()
+        p = seq.sampling_params
+        self.needs[row] = needs_of(p)
+        self.seed[row] = seq.seed
+        self.temperature[row] = p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        seq.row = row
+
+    def free_row(self, seq: Sequence):
+        """seq leaves the running batch (finished or preempted): its row is free for the next one.
+        (A step still in flight may use the row on the device; the next holder's writes come after
+        it there, in stream order.)"""
+        self.free_rows.append(seq.row)
+        seq.row = -1
+
+    def sampling_inputs(self, rows: np.ndarray, positions: np.ndarray, seqs: list[Sequence]) -> SamplingInputs:
+        """The sampling inputs of these rows, held by seqs, each sampling the token at positions[i]."""
+        needs = Need(int(np.bitwise_or.reduce(self.needs[rows])))
+        inputs = SamplingInputs(needs, rows, positions)
+        if needs & Need.RANDOM:
+            inputs.seeds, inputs.temperatures = self.seed[rows], self.temperature[rows]
+        if needs & Need.FILTERS:
+            inputs.top_ks, inputs.top_ps = self.top_k[rows], self.top_p[rows]
+        if needs & Need.MIN_P:
+            inputs.min_ps = self.min_p[rows]
+        if needs & Need.PENALTIES:
+            inputs.penalties = {"presence": self.presence_penalty[rows], "frequency": self.frequency_penalty[rows],
+                                "repetition": self.repetition_penalty[rows],
+                                "num_prompt_tokens": self.num_prompt_tokens[rows]}
+        if needs & Need.MIN_TOKENS:  # a stop token cannot be drawn before min_tokens
+            early = [i for i, (seq, pos) in enumerate(zip(seqs, positions.tolist()))
+                     if pos - seq.num_prompt_tokens < seq.sampling_params.min_tokens]
+            pairs = [(i, t) for i in early for t in seqs[i].stop_ids]
+            inputs.banned = ([i for i, _ in pairs], [t for _, t in pairs]) if pairs else None
+        if needs & Need.LOGPROBS:
+            inputs.num_logprobs = [seq.sampling_params.logprobs for seq in seqs]
+        return inputs
