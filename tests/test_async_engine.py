@@ -8,6 +8,8 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.cli import build_parser
+from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -167,7 +169,6 @@ def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):
 
 
 def test_every_llm_option_is_a_flag():
-    from nanovllm.cli import build_parser, llm_from_args
     options = [name for name, p in inspect.signature(LLM.__init__).parameters.items()
                if p.kind is inspect.Parameter.KEYWORD_ONLY]
     for command in ("serve", "chat"):

@@ -20,12 +20,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 import torch
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
 from nanovllm.entrypoints.metrics import ServingMetrics
 from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, SamplingRequest)
@@ -309,10 +311,6 @@ class Choices:
 def serve(args) -> int:
     """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, then abort what is in
     flight, stop the engine and return 0."""
-    import uvicorn
-
-    from nanovllm.cli import llm_from_args
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # On CPU, leave a core to the event loop: torch's intra-op threads spin-wait, and fighting
