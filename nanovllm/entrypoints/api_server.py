@@ -121,7 +121,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                       num_logprobs: int | None, chat: bool):
         check_model(body)
         requests = await submit_all(prompts, body, max_tokens, num_logprobs)
-        response = Choices(requests, body, served_model_name, tokenizer, chat)
+        response = (ChatChoices if chat else CompletionChoices)(requests, body, served_model_name, tokenizer)
         if body.stream:
             return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
                                      media_type="text/event-stream")
@@ -189,14 +189,45 @@ async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
 
 
 class Choices:
-    """The choices of one completions or chat call: n per prompt, choice index = prompt * n + sample."""
+    """The choices of one call, n per prompt (choice index = prompt * n + sample), and what the two
+    endpoints' responses share: the id, the usage, and the loops over the engine's updates that
+    collect or stream them. CompletionChoices and ChatChoices give the choices their shape."""
+    id_prefix: str     # of the response's id
+    object: str        # of the whole response
+    chunk_object: str  # of each streamed chunk
 
-    def __init__(self, requests: list, body: SamplingRequest, model: str, tokenizer, chat: bool):
-        self.requests, self.body, self.model, self.tokenizer, self.chat = requests, body, model, tokenizer, chat
+    def __init__(self, requests: list, body: SamplingRequest, model: str, tokenizer):
+        self.requests, self.body, self.model, self.tokenizer = requests, body, model, tokenizer
         self.n = body.n
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.object = "chat.completion" if chat else "text_completion"
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+
+    # ---- the endpoint's shape ---------------------------------------------------------------
+    def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
+        """The logprobs of these tokens (entries: the engine's {token id: logprob} per token) in
+        the endpoint's shape; text_offset: the characters of the choice sent before them."""
+        raise NotImplementedError
+
+    def content(self, text: str) -> dict:
+        """A whole choice's text, as the response's choice holds it."""
+        raise NotImplementedError
+
+    def delta(self, text: str) -> dict:
+        """The text of a streamed chunk, as its choice holds it."""
+        raise NotImplementedError
+
+    def opening(self) -> list[dict]:
+        """The choices of the chunk that opens the stream (none: no such chunk)."""
+        return []
+
+    # ---- what both share ----------------------------------------------------------------------
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def _ranked(self, token_ids: list[int], entries: list[dict], k: int) -> list[tuple[str, float, list]]:
+        """(token text, its logprob, the k most likely (token id, logprob)) of each token."""
+        return [(self._token(token_id), entry[token_id], sorted(entry.items(), key=lambda item: -item[1])[:k])
+                for token_id, entry in zip(token_ids, entries)]
 
     def usage(self, finals: dict[int, dict]) -> dict:
         prompt_tokens = sum(len(r.prompt_token_ids) for r in self.requests)
@@ -207,35 +238,6 @@ class Choices:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    # ---- logprobs ---------------------------------------------------------------------------
-    def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
-
-    def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
-        """The logprobs of these tokens in the API's shape (chat's `content` list, or the
-        completions' parallel lists)."""
-        if entries is None:
-            return None
-        k = (self.body.top_logprobs or 0) if self.chat else self.body.logprobs
-        tokens, chosen, tops = [], [], []
-        for token_id, entry in zip(token_ids, entries):
-            tokens.append(self._token(token_id))
-            chosen.append(entry[token_id])
-            tops.append(sorted(entry.items(), key=lambda item: -item[1])[:k])
-        if self.chat:
-            return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": (s := self._token(i)), "logprob": v, "bytes": list(s.encode())}
-                                  for i, v in top]}
-                for t, lp, top in zip(tokens, chosen, tops)]}
-        offsets = []
-        for t in tokens:
-            offsets.append(text_offset)
-            text_offset += len(t)
-        return {"tokens": tokens, "token_logprobs": chosen, "text_offset": offsets,
-                "top_logprobs": [{self._token(i): v for i, v in top} for top in tops]}
-
-    # ---- one response -----------------------------------------------------------------------
     async def collect(self) -> dict:
         """Wait for every choice; the whole response."""
         texts: dict[int, list[str]] = {}
@@ -251,39 +253,30 @@ class Choices:
             if update["finished"]:
                 finals[c] = {"num_tokens": len(ids[c]), "num_cached_tokens": update["num_cached_tokens"],
                              "finish_reason": update["finish_reason"], "stop_reason": update["stop_reason"]}
-        choices = []
-        for c in sorted(finals):
-            text = "".join(texts[c])
-            logprobs = self.logprobs(ids[c], entries.get(c), 0)
-            choice = {"index": c, "logprobs": logprobs, "finish_reason": finals[c]["finish_reason"],
-                      "stop_reason": finals[c]["stop_reason"]}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choices.append(choice)
+        choices = [{"index": c, "logprobs": self.logprobs(ids[c], entries.get(c), 0),
+                    "finish_reason": finals[c]["finish_reason"], "stop_reason": finals[c]["stop_reason"],
+                    **self.content("".join(texts[c]))}
+                   for c in sorted(finals)]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
 
     async def stream(self) -> AsyncIterator[dict]:
-        """The response as chunks: chat sends each choice's role first, then content deltas; the
-        last chunk of a choice has its finish_reason; usage last when stream_options asks."""
+        """The response as chunks: the opening chunk if any, then text deltas; the last chunk of a
+        choice has its finish_reason; usage last when stream_options asks."""
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
-        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
         lengths: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
         num_tokens: dict[int, int] = {}
         finals: dict[int, dict] = {}
 
         def chunk(choices: list[dict]) -> dict:
-            out = {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model,
+            out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                    "choices": choices}
             if include_usage:
                 out["usage"] = None
             return out
 
-        if self.chat:
-            yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for c in range(len(self.requests) * self.n)])
+        if opening := self.opening():
+            yield chunk(opening)
         async for i, update in updates(self.requests):
             c = i * self.n + update["sample"]
             text = update["text"] or ""
@@ -292,20 +285,64 @@ class Choices:
                 continue  # (its tokens' text is held back: an unfinished character or stop string)
             logprobs = self.logprobs(update["token_ids"], update.get("logprobs"), lengths.get(c, 0))
             lengths[c] = lengths.get(c, 0) + len(text)
-            finish = update["finish_reason"] if update["finished"] else None
+            choice = {"index": c, **self.delta(text), "logprobs": logprobs,
+                      "finish_reason": update["finish_reason"] if update["finished"] else None}
             if update["finished"]:
                 finals[c] = {"num_tokens": num_tokens[c], "num_cached_tokens": update["num_cached_tokens"]}
-            if self.chat:
-                choice = {"index": c, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                          "finish_reason": finish}
-            else:
-                choice = {"index": c, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            if update["finished"]:
                 choice["stop_reason"] = update["stop_reason"]
             yield chunk([choice])
         if include_usage:
-            yield {"id": self.id, "object": chunk_object, "created": self.created, "model": self.model,
+            yield {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
                    "choices": [], "usage": self.usage(finals)}
+
+
+class CompletionChoices(Choices):
+    """/v1/completions: each choice's `text`; logprobs as parallel lists."""
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+    body: CompletionRequest
+
+    def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
+        if entries is None:
+            return None
+        ranked = self._ranked(token_ids, entries, self.body.logprobs)
+        offsets = []
+        for token, _, _ in ranked:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"tokens": [token for token, _, _ in ranked], "token_logprobs": [lp for _, lp, _ in ranked],
+                "text_offset": offsets, "top_logprobs": [{self._token(i): v for i, v in top} for _, _, top in ranked]}
+
+    def content(self, text: str) -> dict:
+        return {"text": text}
+
+    def delta(self, text: str) -> dict:
+        return {"text": text}
+
+
+class ChatChoices(Choices):
+    """/v1/chat/completions: each choice's assistant `message`, streamed as deltas after a chunk
+    that gives every choice its role; logprobs as a `content` list."""
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    body: ChatCompletionRequest
+
+    def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
+        if entries is None:
+            return None
+        return {"content": [
+            {"token": token, "logprob": lp, "bytes": list(token.encode()),
+             "top_logprobs": [{"token": (s := self._token(i)), "logprob": v, "bytes": list(s.encode())}
+                              for i, v in top]}
+            for token, lp, top in self._ranked(token_ids, entries, self.body.top_logprobs or 0)]}
+
+    def content(self, text: str) -> dict:
+        return {"message": {"role": "assistant", "content": text}}
+
+    def delta(self, text: str) -> dict:
+        return {"delta": {"content": text} if text else {}}
+
+    def opening(self) -> list[dict]:
+        return [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for c in range(len(self.requests) * self.n)]
 
 
 def serve(args) -> int:
