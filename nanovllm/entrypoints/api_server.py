@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 import torch
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -46,102 +46,135 @@ class APIError(Exception):
                                        "code": self.code if self.code is not None else self.status}}, self.status)
 
 
+# ---- errors: every one in OpenAI's shape ---------------------------------------------------------
+async def api_error(_, e: APIError):
+    return e.response()
+
+
+async def bad_request(_, e: BadRequest):
+    return APIError(400, str(e), "invalid_request_error", e.param).response()
+
+
+async def invalid_request(_, e: RequestValidationError):
+    first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                        "invalid_request_error").response()
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
+    return APIError(400, message, "invalid_request_error", location[0] if location else None).response()
+
+
+async def http_error(_, e: StarletteHTTPException):
+    return APIError(e.status_code, str(e.detail), "invalid_request_error").response()
+
+
+ERROR_HANDLERS = {APIError: api_error, BadRequest: bad_request, RequestValidationError: invalid_request,
+                  StarletteHTTPException: http_error}
+
+
+# ---- the endpoints: what they serve is in app.state (see build_app) ------------------------------
+async def authorized(http: Request):
+    api_key = http.app.state.api_key
+    if api_key is None:
+        return
+    given = http.headers.get("authorization", "")
+    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                       "authentication_error", code="invalid_api_key")
+
+
+public = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])  # the API: behind the key, if any
+
+
+@public.get("/health")
+async def health(http: Request):
+    engine = http.app.state.engine
+    if engine.error is not None:
+        return APIError(503, f"the engine has failed: {engine.error!r}", "server_error").response()
+    return Response(status_code=200)
+
+
+@public.get("/metrics")
+async def prometheus_metrics(http: Request):
+    metrics = http.app.state.metrics
+    if metrics is None:
+        raise APIError(404, "metrics are off", "not_found_error")
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@v1.get("/models")
+async def models(http: Request):
+    state = http.app.state
+    model = {"id": state.served_model_name, "object": "model", "created": CREATED, "owned_by": "nanovllm",
+             "max_model_len": state.engine.llm.config.max_model_len}
+    return {"object": "list", "data": [model]}
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, http: Request):
+    return await respond(http, body, body.prompts(), body.max_tokens, body.logprobs, CompletionChoices)
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http: Request):
+    messages = [m.as_template_input() for m in body.messages]
+    num_logprobs = body.num_logprobs()
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await respond(http, body, [messages], max_tokens, num_logprobs, ChatChoices)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               metrics: ServingMetrics | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `served_model_name`."""
+    """The FastAPI app serving `engine` under the name `served_model_name`: the endpoints above,
+    with what they serve in app.state."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
-    tokenizer = engine.llm.tokenizer
-
-    @app.exception_handler(APIError)
-    async def api_error(_, e: APIError):
-        return e.response()
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(_, e: BadRequest):
-        return APIError(400, str(e), "invalid_request_error", e.param).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                            "invalid_request_error").response()
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-        return APIError(400, message, "invalid_request_error", location[0] if location else None).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail), "invalid_request_error").response()
-
-    async def authorized(request: Request):
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
-                           "authentication_error", code="invalid_api_key")
-
-    def check_model(body: SamplingRequest):
-        if body.model is not None and body.model != served_model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{served_model_name}`",
-                           "not_found_error", "model", "model_not_found")
-
-    @app.get("/health")
-    async def health():
-        if engine.error is not None:
-            return APIError(503, f"the engine has failed: {engine.error!r}", "server_error").response()
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        if metrics is None:
-            raise APIError(404, "metrics are off", "not_found_error")
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": CREATED,
-                                            "owned_by": "nanovllm", "max_model_len": engine.llm.config.max_model_len}]}
-
-    async def submit_all(prompts: list, body: SamplingRequest, max_tokens: int | None, num_logprobs: int | None):
-        """One engine request per prompt, queued together (all of them or none), sharing one
-        queue. max_tokens None: up to max_model_len (chat's default)."""
-        params = body.sampling_params(max_tokens, num_logprobs)  # (a BadRequest is a 400 naming the field)
-        try:
-            return await engine.submit_all(prompts, params, body.stream, fill_context=max_tokens is None)
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from e
-        except QueueFull as e:
-            raise APIError(503, str(e), "service_unavailable") from e
-        except EngineDead as e:
-            raise APIError(503, str(e), "server_error") from e
-
-    async def respond(http: Request, body: SamplingRequest, prompts: list, max_tokens: int | None,
-                      num_logprobs: int | None, chat: bool):
-        check_model(body)
-        requests = await submit_all(prompts, body, max_tokens, num_logprobs)
-        response = (ChatChoices if chat else CompletionChoices)(requests, body, served_model_name, tokenizer)
-        if body.stream:
-            return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
-                                     media_type="text/event-stream")
-        try:
-            return await until_disconnected(http, response.collect())
-        finally:
-            abort(engine, requests)
-
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, http: Request):
-        return await respond(http, body, body.prompts(), body.max_tokens, body.logprobs, chat=False)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest, http: Request):
-        messages = [m.as_template_input() for m in body.messages]
-        num_logprobs = body.num_logprobs()
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(http, body, [messages], max_tokens, num_logprobs, chat=True)
-
+    app.state.engine, app.state.served_model_name = engine, served_model_name
+    app.state.api_key, app.state.metrics = api_key, metrics
+    for error, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(error, handler)
+    app.include_router(public)
+    app.include_router(v1)
     return app
+
+
+# ---- one API call -------------------------------------------------------------------------------
+def check_model(body: SamplingRequest, served_model_name: str):
+    if body.model is not None and body.model != served_model_name:
+        raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{served_model_name}`",
+                       "not_found_error", "model", "model_not_found")
+
+
+async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, max_tokens: int | None,
+                     num_logprobs: int | None) -> list:
+    """One engine request per prompt, queued together (all of them or none), sharing one
+    queue. max_tokens None: up to max_model_len (chat's default)."""
+    params = body.sampling_params(max_tokens, num_logprobs)  # (a BadRequest is a 400 naming the field)
+    try:
+        return await engine.submit_all(prompts, params, body.stream, fill_context=max_tokens is None)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from e
+    except QueueFull as e:
+        raise APIError(503, str(e), "service_unavailable") from e
+    except EngineDead as e:
+        raise APIError(503, str(e), "server_error") from e
+
+
+async def respond(http: Request, body: SamplingRequest, prompts: list, max_tokens: int | None,
+                  num_logprobs: int | None, choices: type["Choices"]):
+    """Submit the call's prompts and answer with their choices: a whole response, or a stream."""
+    engine, name = http.app.state.engine, http.app.state.served_model_name
+    check_model(body, name)
+    requests = await submit_all(engine, prompts, body, max_tokens, num_logprobs)
+    response = choices(requests, body, name, engine.llm.tokenizer)
+    if body.stream:
+        return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
+                                 media_type="text/event-stream")
+    try:
+        return await until_disconnected(http, response.collect())
+    finally:
+        abort(engine, requests)
 
 
 def abort(engine: AsyncEngine, requests: list):
@@ -345,6 +378,27 @@ class ChatChoices(Choices):
                 for c in range(len(self.requests) * self.n)]
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server in front of one engine, which it tells when a signal asks it to stop."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, banner: str):
+        super().__init__(config)
+        self.engine, self.banner = engine, banner
+
+    def handle_exit(self, sig, frame):
+        """A signal is a request to stop: end every request in flight at once (their streams
+        close with finish_reason "abort"), so the graceful shutdown has nothing to wait for,
+        and do not re-raise the signal afterwards (uvicorn would, ending us with its status)."""
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+        self.engine.abort_all()
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            print(self.banner, flush=True)
+
+
 def serve(args) -> int:
     """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, then abort what is in
     flight, stop the engine and return 0."""
@@ -358,24 +412,9 @@ def serve(args) -> int:
     engine = AsyncEngine(llm, args.max_queued_requests, metrics)
     name = args.served_model_name or args.model
     app = build_app(engine, name, args.api_key, metrics)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            """A signal is a request to stop: end every request in flight at once (their streams
-            close with finish_reason "abort"), so the graceful shutdown has nothing to wait for,
-            and do not re-raise the signal afterwards (uvicorn would, ending us with its status)."""
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()
-            engine.abort_all()
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            if self.started:
-                print(f"nanovllm: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)",
-                      flush=True)
-
+    banner = f"nanovllm: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   access_log=False, timeout_graceful_shutdown=5))
+                                   access_log=False, timeout_graceful_shutdown=5), engine, banner)
     try:
         server.run()
     finally:
