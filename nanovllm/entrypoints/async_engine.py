@@ -125,7 +125,7 @@ async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
 
 class AsyncEngine:
     """Runs `llm` on a thread of its own. `submit()` queues a request and waits until it is
-    validated; `Request.updates()` yields its results; `abort()` ends it (a client that went
+    validated; `updates()` yields its results; `abort()` ends it (a client that went
     away). `stats` is a snapshot of the engine's queues and KV usage, refreshed every step."""
 
     def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
