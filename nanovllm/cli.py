@@ -4,76 +4,47 @@
     nanovllm chat MODEL [options]    an interactive chat in the terminal
 
 Every `LLM(...)` option is a flag with dashes (`--max-model-len 2048`, `--no-enable-prefix-caching`),
-read from LLM's own signature, so the two never drift apart.
+read from LLM's own signature (entrypoints/args.py), so the two never drift apart.
 """
 import argparse
-import inspect
 import os
 import signal
 import sys
-import types
-import typing
 
-from nanovllm.llm import LLM
-
-
-def _llm_options() -> list[tuple[str, object, type]]:
-    """(name, default, type) of each keyword option of LLM(), from its signature."""
-    options = []
-    for name, p in inspect.signature(LLM.__init__).parameters.items():
-        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
-            continue
-        kinds = typing.get_args(p.annotation) if isinstance(p.annotation, types.UnionType) else (p.annotation,)
-        kind = next(k for k in (bool, int, float, str) if k in kinds)
-        options.append((name, p.default, kind))
-    return options
-
-
-def add_llm_arguments(parser: argparse.ArgumentParser):
-    group = parser.add_argument_group("engine options (those of LLM(...))")
-    for name, default, kind in _llm_options():
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            group.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
-                               help=f"default: {default}")
-
-
-def llm_from_args(args: argparse.Namespace) -> LLM:
-    return LLM(args.model, **{name: getattr(args, name) for name, _, _ in _llm_options()})
+from nanovllm.entrypoints.args import add_llm_arguments
+from nanovllm.entrypoints.chat import chat
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="nanovllm: serve or chat with a model.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server",
-                                description="Serve MODEL over the OpenAI API (completions, chat completions).")
-    serve.add_argument("model", help="a Hugging Face model folder")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOVLLM_API_KEY)")
-    serve.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
-    serve.add_argument("--max-queued-requests", type=int, default=None,
-                       help="refuse requests with 503 while this many are waiting (default: no limit)")
-    serve.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
-    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn's log level")
-    add_llm_arguments(serve)
+    serve_parser = commands.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                                       description="Serve MODEL over the OpenAI API (completions, chat completions).")
+    serve_parser.add_argument("model", help="a Hugging Face model folder")
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8000)
+    serve_parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                              help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOVLLM_API_KEY)")
+    serve_parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
+    serve_parser.add_argument("--max-queued-requests", type=int, default=None,
+                              help="refuse requests with 503 while this many are waiting (default: no limit)")
+    serve_parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
+    serve_parser.add_argument("--log-level", default="warning",
+                              choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
+    add_llm_arguments(serve_parser)
 
-    chat = commands.add_parser("chat", help="an interactive chat in the terminal",
-                               description="Chat with MODEL: replies stream as they are generated; the "
-                                           "conversation's prefix is served from the KV cache. "
-                                           "/reset starts over, /exit or Ctrl-D leaves.")
-    chat.add_argument("model", help="a Hugging Face model folder whose tokenizer has a chat template")
-    chat.add_argument("--system", default=None, help="a system message to start the conversation with")
-    chat.add_argument("--temperature", type=float, default=0.7)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
-    chat.add_argument("--seed", type=int, default=None)
-    add_llm_arguments(chat)
+    chat_parser = commands.add_parser("chat", help="an interactive chat in the terminal",
+                                      description="Chat with MODEL: replies stream as they are generated; the "
+                                                  "conversation's prefix is served from the KV cache. "
+                                                  "/reset starts over, /exit or Ctrl-D leaves.")
+    chat_parser.add_argument("model", help="a Hugging Face model folder whose tokenizer has a chat template")
+    chat_parser.add_argument("--system", default=None, help="a system message to start the conversation with")
+    chat_parser.add_argument("--temperature", type=float, default=0.7)
+    chat_parser.add_argument("--top-p", type=float, default=1.0)
+    chat_parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
+    chat_parser.add_argument("--seed", type=int, default=None)
+    add_llm_arguments(chat_parser)
     return parser
 
 
@@ -90,13 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise SystemExit(f"nanovllm serve: --max-queued-requests must be >= 1, got {args.max_queued_requests}")
-        try:
+        try:  # imported here, not at the top: the server needs the optional `serve` extra (FastAPI, uvicorn)
             from nanovllm.entrypoints.api_server import serve
         except ImportError as e:
             raise SystemExit(f"nanovllm serve needs the serve extra ({e.name} is missing): "
                              "pip install 'nanovllm[serve]'") from e
         return serve(args)
-    from nanovllm.entrypoints.chat import chat
     signal.signal(signal.SIGINT, signal.default_int_handler)
     return chat(args)
 

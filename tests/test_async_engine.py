@@ -8,6 +8,8 @@ import random
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.cli import build_parser
+from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -16,6 +18,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 @pytest.fixture
 def llm(model_dir):
     return LLM(model_dir, max_model_len=512)
+
+
+def all_blocks_free(llm) -> bool:
+    stats = llm.stats()
+    return stats["num_free_blocks"] == stats["num_blocks"]
 
 
 async def run_one(engine, prompt, params, stream=True, fill_context=False) -> dict:
@@ -48,7 +55,7 @@ def test_concurrent_requests_each_get_exactly_their_outputs(llm):
     assert [r["token_ids"] for r in results] == [e["token_ids"] for e in expected]
     assert [r["text"] for r in results] == [e["text"] for e in expected]
     assert all(r["num_updates"] == 1 for r in results[1::2])  # not streamed: one update, at the end
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert all_blocks_free(llm)
 
 
 def test_a_bad_request_is_refused_and_the_others_finish(llm):
@@ -84,7 +91,7 @@ def test_the_prompts_of_one_call_are_queued_all_or_none(llm):
     finally:
         engine.shutdown()
     assert len(finals) == 2
-    assert llm.scheduler.is_finished() and llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.is_finished() and all_blocks_free(llm)
 
 
 def test_max_tokens_none_takes_what_the_context_leaves(llm):
@@ -120,7 +127,7 @@ def test_abort_frees_the_blocks_and_abort_all_ends_every_stream(llm):
     finally:
         engine.shutdown()
     assert [u["finish_reason"] for u in finals] == ["abort"]
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert all_blocks_free(llm)
 
 
 def test_queue_limit(model_dir):
@@ -167,7 +174,6 @@ def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):
 
 
 def test_every_llm_option_is_a_flag():
-    from nanovllm.cli import build_parser, llm_from_args
     options = [name for name, p in inspect.signature(LLM.__init__).parameters.items()
                if p.kind is inspect.Parameter.KEYWORD_ONLY]
     for command in ("serve", "chat"):

@@ -82,6 +82,32 @@ def _settle(future: asyncio.Future, error: BaseException | None):
         future.set_exception(error) if error is not None else future.set_result(None)
 
 
+# The commands the asyncio side sends the engine thread (through AsyncEngine._commands).
+@dataclasses.dataclass
+class Add:
+    """Validate and queue a request (its `accepted` future says how that went)."""
+    request: Request
+
+
+@dataclasses.dataclass
+class Abort:
+    """End a request's unfinished samples."""
+    request: Request
+
+
+@dataclasses.dataclass
+class AbortAll:
+    """End every request in flight, each with its last update."""
+
+
+@dataclasses.dataclass
+class Stop:
+    """Abort everything and end the engine thread."""
+
+
+Command = Add | Abort | AbortAll | Stop
+
+
 async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
     """(i, update) for the updates of requests[i] (LLMEngine.stream_update's dicts), as they come,
     until every sample of every request has finished. The requests share one queue. A failure of
@@ -99,7 +125,7 @@ async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
 
 class AsyncEngine:
     """Runs `llm` on a thread of its own. `submit()` queues a request and waits until it is
-    validated; `Request.updates()` yields its results; `abort()` ends it (a client that went
+    validated; `updates()` yields its results; `abort()` ends it (a client that went
     away). `stats` is a snapshot of the engine's queues and KV usage, refreshed every step."""
 
     def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
@@ -109,8 +135,8 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.error: BaseException | None = None
-        self._commands: SimpleQueue = SimpleQueue()
-        self._num_submitted = 0  # add commands not yet taken by the engine thread
+        self._commands: SimpleQueue[Command] = SimpleQueue()
+        self._num_submitted = 0  # Add commands not yet taken by the engine thread
         self._lock = threading.Lock()
         self._by_seq: dict[int, Request] = {}  # seq_id -> its request (engine thread only)
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # updates of this step, per event loop
@@ -144,7 +170,7 @@ class AsyncEngine:
                 raise QueueFull(f"{self.max_queued_requests} requests are already waiting (--max-queued-requests)")
             self._num_submitted += len(requests)
             for request in requests:
-                self._commands.put(("add", request))
+                self._commands.put(Add(request))
         try:
             results = await asyncio.gather(*(request.accepted for request in requests), return_exceptions=True)
         except asyncio.CancelledError:  # the client went away before the engine answered
@@ -158,15 +184,15 @@ class AsyncEngine:
 
     def abort(self, request: Request):
         """End the request's unfinished samples and free their blocks (any thread; idempotent)."""
-        self._commands.put(("abort", request))
+        self._commands.put(Abort(request))
 
     def abort_all(self):
         """End every request in flight: each one's samples finish with finish_reason "abort"."""
-        self._commands.put(("abort_all", None))
+        self._commands.put(AbortAll())
 
     def shutdown(self):
         """Abort everything, stop the engine thread and the engine (its worker processes)."""
-        self._commands.put(("stop", None))
+        self._commands.put(Stop())
         self._thread.join()
         self.llm.shutdown()
 
@@ -178,12 +204,12 @@ class AsyncEngine:
                 command = self._commands.get() if llm.is_finished() else self._next_command()
                 handled = command is not None
                 while command is not None:
-                    if command[0] == "stop":
+                    if isinstance(command, Stop):
                         self._abort_all()
                         self._flush()
                         self._refuse_the_rest(RuntimeError("the engine has been shut down"))
                         return
-                    self._handle(*command)
+                    self._handle(command)
                     command = self._next_command()
                 if handled:
                     self._snapshot()  # (the queue limit counts what was just queued)
@@ -205,30 +231,31 @@ class AsyncEngine:
         with self._lock:
             self.error = error
             while (command := self._next_command()) is not None:
-                if command[0] == "add":
-                    command[1].settle(EngineDead(f"the engine has failed: {error!r}"))
+                if isinstance(command, Add):
+                    command.request.settle(EngineDead(f"the engine has failed: {error!r}"))
 
-    def _next_command(self):
+    def _next_command(self) -> Command | None:
         try:
             return self._commands.get_nowait()
         except Empty:
             return None
 
-    def _handle(self, kind: str, request: Request | None):
-        if kind == "add":
-            with self._lock:
-                self._num_submitted -= 1
-            try:
-                self._add(request)
-            except (ValueError, TypeError) as e:  # a bad request
-                request.settle(e)
-            except Exception as e:  # a request that trips a bug: it fails, the others go on
-                logger.exception("a request could not be queued")
-                request.settle(e)
-        elif kind == "abort":
-            self._abort(request)
-        elif kind == "abort_all":
-            self._abort_all()
+    def _handle(self, command: Add | Abort | AbortAll):
+        match command:
+            case Add(request):
+                with self._lock:
+                    self._num_submitted -= 1
+                try:
+                    self._add(request)
+                except (ValueError, TypeError) as e:  # a bad request
+                    request.settle(e)
+                except Exception as e:  # a request that trips a bug: it fails, the others go on
+                    logger.exception("a request could not be queued")
+                    request.settle(e)
+            case Abort(request):
+                self._abort(request)
+            case AbortAll():
+                self._abort_all()
 
     def _add(self, request: Request):
         llm, prompt = self.llm, request.prompt

@@ -7,14 +7,13 @@ the prefix cache: the line after each reply says how many prompt tokens were ser
 import dataclasses
 import sys
 
+from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.sampling_params import SamplingParams
 
 HELP = "/reset clears the conversation, /exit or Ctrl-D leaves, Ctrl-C stops a reply"
 
 
 def chat(args) -> int:
-    from nanovllm.cli import llm_from_args
-
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed)
     llm = llm_from_args(args)
