@@ -412,6 +412,35 @@ def test_stream_concatenates_to_generate(model_dir, tmp_path, tokenizer):
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
+@pytest.mark.parametrize("chars_before", [1, 2])
+def test_streamed_text_holds_back_a_stop_string_that_spans_tokens(llm, chars_before):
+    """A stop string of chars_before + 1 characters: the last chars_before of token k's text and the
+    first of token k+1's, first occurring there. While streaming, the text that could still be the
+    start of a stop string is held back, so no update ever shows what generate() cuts off: the
+    pieces concatenate to generate()'s text, and every partial concatenation is a prefix of it."""
+    prompt = "Prefix caching shares"
+    [full] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    ids, tok = full["token_ids"], llm.tokenizer
+    texts = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+
+    def stop_at(k):
+        return texts[k + 1][len(texts[k]) - chars_before:len(texts[k]) + 1]
+
+    def spanning(k):
+        return (len(texts[k]) - chars_before >= len(texts[k - 1]) and len(texts[k + 1]) > len(texts[k])
+                and "\ufffd" not in stop_at(k) and full["text"].find(stop_at(k)) == len(texts[k]) - chars_before)
+    k = next(k for k in range(3, len(ids) - 2) if spanning(k))
+    stop = stop_at(k)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    [expected] = llm.generate([prompt], params, use_tqdm=False)
+    assert expected["text"] == full["text"][:len(texts[k]) - chars_before] and expected["stop_reason"] == stop
+    text = ""
+    for update in llm.stream([prompt], params):
+        text += update["text"]
+        assert expected["text"].startswith(text), f"streamed {text!r}, beyond generate()'s {expected['text']!r}"
+    assert text == expected["text"] and update["stop_reason"] == stop
+
+
 def test_abandoned_stream_frees_its_blocks(llm, prompts):
     stream = llm.stream(prompts[:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     next(stream)
