@@ -1,43 +1,120 @@
 #!/usr/bin/env bash
-# Everything the lent GPU machine should run, in one go and in under 8 minutes:
-#   1. the gpu-marked tests, and the Triton kernel tests (compiled, on GPU tensors),
+# Everything the lent GPU machine should run, in one go and in under 7 minutes, so that a second
+# try of one step still fits in a 15-minute device session:
+#   1. the gpu-marked tests, then the Triton kernel tests (compiled, on GPU tensors); the first
+#      failing (or hanging) test is run once more alone with CUDA_LAUNCH_BLOCKING=1, so that a
+#      CUDA error is reported at the launch that caused it,
 #   2. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens),
 #   3. bench.py on the default workload, with the Hugging Face baseline capped in time, then
 #      again with the synchronous loop (--no-async-scheduling) to show what overlap buys,
-#   4. a short bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) when the
-#      GPU has the memory.
-# Runs from the source tree (no install, no network). The log goes to $OUT/gpu_check.log
-# ($OUT is the device tool's output folder; elsewhere it defaults to /tmp/gpu_check).
+#   4. a short bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with
+#      CUDA graphs, at its serving shape, when the GPU has the memory.
+# A one-line summary per step (pass/fail, seconds) ends the log; the exit status is 0 only if
+# every step that ran passed.
+# Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
+# The log goes to $OUT/gpu_check.log ($OUT is the device tool's output folder; elsewhere it
+# defaults to /tmp/gpu_check).
+#
+# Time boxes (seconds), 400 in all: gpu tests 70, Triton kernel tests 85, the one-test rerun 30,
+# decode micro-benchmark 20, bench.py vs HF 80, synchronous bench.py 50, MoE bench.py 65.
+# A step that reaches its box gets SIGINT (pytest then still prints its failures, durations and
+# the test it was in; python prints a traceback), and SIGKILL 15 s later if it is still running.
+# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 400, so
+# the script ends within ~7 minutes whatever happens; a smaller one makes a quick dry run); a
+# step with under MIN_STEP_S left is skipped and reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-400}
+MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
+KILL_AFTER_S=15        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
 mkdir -p "$OUT"
+exec 3>&1 4>&2         # the script's own stdout/stderr, restored at the end so that tee sees EOF
 exec > >(tee "$OUT/gpu_check.log") 2>&1
+tee_pid=$!
+start_all=$SECONDS
 status=0
-run() {  # run STEP_NAME TIMEOUT_S CMD...: time-boxed, never stops the script
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"
+summary=()
+step_log=$(mktemp)     # the output of the step running now (to find a failing test's id)
+reran=0
+
+run() {  # run NAME BOX_S CMD...: time-boxed, never stops the script; sets step_rc
+  local name=$1 box=$2; shift 2
+  local left=$((BUDGET_S - (SECONDS - start_all)))
+  if ((left < MIN_STEP_S)); then
+    echo "=== $name: skipped, $((left > 0 ? left : 0)) s left of the ${BUDGET_S} s budget"
+    summary+=("$(printf '%-5s %5s  %s (out of time)' SKIP - "$name")")
+    status=1 step_rc=-1
+    return
+  fi
+  local limit=$((box < left ? box : left))
+  echo "=== $name (box ${limit} s): $*"
   local start=$SECONDS
-  timeout "$limit" "$@" || { echo "=== $name FAILED (exit $?)"; status=1; }
-  echo "=== $name took $((SECONDS - start)) s"
+  timeout -s INT -k "$KILL_AFTER_S" "$limit" "$@" 2>&1 | tee "$step_log"
+  step_rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - start)) verdict=PASS
+  if ((step_rc == 124 || step_rc == 137)); then
+    verdict=TIME
+  elif ((step_rc != 0)); then
+    verdict=FAIL
+  fi
+  echo "=== $name: $verdict (exit $step_rc) in $took s"
+  summary+=("$(printf '%-5s %4ss  %s%s' "$verdict" "$took" "$name" "$( ((step_rc)) && echo " (exit $step_rc)")")")
+  ((step_rc == 0)) || status=1
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-# Time boxes: 100 + 120 + 30 + 110 + 50 + 60 = 470 s, under 8 minutes with the two probes above.
-run "gpu tests" 100 python -m pytest -q -rs -m gpu tests/
-# ~70-90 kernel variants to compile on a cold Triton cache, a second or two each
-run "triton kernels on the GPU" 120 python -m pytest -q -rs tests/test_triton_backend.py tests/test_moe_kernel.py
-run "decode kernel micro-benchmark" 30 python scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
-# start-up + warm-up + ~20 s timed run, then HF: loading, and 30 s of generation at most;
+
+rerun_first_failure() {  # after a failed pytest step: its first failing test, or the one it hung in, alone
+  ((step_rc > 0 && !reran)) || return 0
+  local test
+  # -v prints "tests/x.py::name[params] FAILED"; a test stopped by the SIGINT has no verdict after its id
+  test=$(grep -m1 -oE '^tests/[^ ]+::[^ ]+ (FAILED|ERROR)' "$step_log" | cut -d' ' -f1)
+  [[ -n $test ]] || test=$(grep -oE '^tests/[^ ]+::[^ ]+' "$step_log" | tail -n1)
+  if [[ -z $test ]]; then
+    echo "=== no failing test id in that step's output (a collection error?): nothing to rerun"
+    return 0
+  fi
+  reran=1
+  run "rerun of $test, CUDA_LAUNCH_BLOCKING=1" 30 \
+    env CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -v -x -rs --durations=15 "$test"
+}
+
+PYTEST=(python3 -m pytest -v -x -rs --durations=15)
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "=== nvidia-smi failed"
+python3 - <<'EOF'
+import importlib.util, signal, sys
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited (a background job without job control)
+    print("=== WARNING: SIGINT is ignored here, so Python installs no KeyboardInterrupt handler: a step that "
+          "reaches its time box is killed 15 s later without pytest's summary (the -v lines still name its test)")
+print("python", sys.version.split()[0], *(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}"
+      if importlib.util.find_spec(m) else f"{m} missing" for m in ("torch", "triton", "transformers")))
+EOF
+# Only the files that have gpu-marked tests: with -x, a collection error in any other file (an
+# optional package the image lacks) would stop the step before its first test.
+mapfile -t gpu_test_files < <(grep -l "mark.gpu" tests/test_*.py)
+run "gpu tests" 70 "${PYTEST[@]}" -m gpu "${gpu_test_files[@]}"
+rerun_first_failure
+# ~70-90 kernel variants to compile on a cold Triton cache, a second or two each; the gpu-marked
+# tests of these files ran in the step above
+run "triton kernels on the GPU" 85 "${PYTEST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py
+rerun_first_failure
+run "decode kernel micro-benchmark" 20 python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
+# start-up + warm-up + ~20 s timed run, then HF: loading, and 20 s of generation at most;
 # the summary includes the GPU idle share between decode steps (CUDA events)
-run "bench.py default workload vs HF" 110 python bench.py --compare hf --hf-time-limit 30 --json
-run "bench.py default workload, synchronous loop" 50 python bench.py --no-async-scheduling --json
-if python -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 80e9)"; then
-  run "bench.py qwen3-30b-a3b (MoE)" 60 python bench.py --dummy qwen3-30b-a3b --num-seqs 64 --max-input-len 512 \
-    --max-output-len 128 --enforce-eager --json
+run "bench.py default workload vs HF" 80 python3 bench.py --compare hf --hf-time-limit 20 --json
+run "bench.py default workload, synchronous loop" 50 python3 bench.py --no-async-scheduling --json
+if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 80e9)" 2>/dev/null; then
+  # the serving shape: 64 sequences, CUDA graphs on (decode replays the fused MoE kernel)
+  run "bench.py qwen3-30b-a3b (MoE, CUDA graphs)" 65 python3 bench.py --dummy qwen3-30b-a3b --num-seqs 64 \
+    --max-input-len 512 --max-output-len 128 --max-num-seqs 64 --json
 else
   echo "=== bench.py qwen3-30b-a3b (MoE) skipped: it needs a GPU with 80 GB or more"
+  summary+=("$(printf '%-5s %5s  %s' SKIP - "bench.py qwen3-30b-a3b (MoE): needs a GPU with 80 GB or more")")
 fi
+echo "=== summary (${BUDGET_S} s budget, $((SECONDS - start_all)) s used)"
+printf '%s\n' "${summary[@]}"
 echo "=== gpu_check exit status $status"
+exec 1>&3 2>&4 3>&- 4>&-   # close tee's pipe, then wait for it to write the last lines to the log
+wait "$tee_pid"
+rm -f "$step_log"
 exit $status

@@ -329,6 +329,37 @@ def test_hash_collision_same_block_tokens_different_prefix_is_not_a_hit(monkeypa
     assert b.num_computed_tokens == 0
 
 
+def test_reused_parent_does_not_vouch_for_its_old_child(monkeypatch):
+    """A cached block records its parent as (block id, generation): a parent block that was freed
+    and reused for another prefix does not vouch for the child it had. Here a hash that forgets
+    the prefix makes the child's key collide with the new prefix's, the child's own tokens match,
+    and the parent id matches: only the generation (bumped when a block is taken) tells the hit
+    is wrong (the child's K/V were computed after the parent's old tokens).
+
+    Today's free order never reuses a parent before its cached child (a sequence's blocks are freed
+    tail first, and every holder of a child holds its parent), so the blocks are handed back here
+    parent first, through a reordered block table: the order any other eviction policy (such as the
+    planned host tier) may produce."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)))
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    old_prefix, child, new_prefix = [1] * BS, [2] * BS, [3] * BS
+    a = make_seq(old_prefix + child + [9])
+    assert bm.allocate(a)
+    parent_id, child_id, tail_id = a.block_table
+    compute_all(bm, a, 2 * BS + 1)                    # publishes the parent [1]*BS and the child [2]*BS
+    a.block_table = [child_id, tail_id, parent_id]    # freed in reverse: parent first, child last
+    bm.free_blocks(a)
+    b = make_seq(new_prefix + [9])                    # takes the parent's block (the least recently freed)
+    assert bm.allocate(b) and b.num_computed_tokens == 0
+    assert b.block_table[0] == parent_id
+    compute_all(bm, b, BS + 1)                        # the parent's block now holds [3]*BS, published
+    bm.free_blocks(b)
+    c = make_seq(new_prefix + child + [5])
+    assert bm.allocate(c)
+    assert c.block_table[0] == parent_id              # the new prefix is a true hit...
+    assert c.num_computed_tokens == BS                # ...the old child is not
+
+
 def test_hash_collision_never_puts_one_block_twice_in_a_table(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 12345)
     bm = BlockManager(num_blocks=10, block_size=BS)

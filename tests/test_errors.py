@@ -1,12 +1,18 @@
 """Bad input raises a clear ValueError/TypeError and leaves the engine usable."""
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +207,51 @@ def test_broken_generation_config(model_dir, tmp_path):
         (folder / "generation_config.json").write_text(text)
         with pytest.raises(ValueError, match=match):
             LLM(str(folder), max_model_len=64)
+
+
+def run_fresh_python(code: str) -> str:
+    """Run `code` in a new interpreter (Triton's mode is fixed per process, so each case needs its
+    own), without TRITON_INTERPRET (test modules of this session may have set it); its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_on_cpu_and_on_cuda_in_one_process_is_refused():
+    """The Triton backend on CPU puts the process's Triton in interpreter mode: a later CUDA
+    engine's Triton kernels (attention, fused MoE) would run interpreted, so it is refused, and
+    the other way round. Neither side needs a GPU to be asked."""
+    out = run_fresh_python("""
+        from nanovllm.layers.backends import get_backend
+        from nanovllm.utils.triton_mode import import_kernels
+        get_backend("triton", "cpu")
+        from nanovllm.layers.backends import triton_attn
+        assert type(triton_attn._decode_kernel).__name__ == "InterpretedFunction"
+        assert get_backend("triton", "cpu") is triton_attn.TritonBackend   # the same mode again: fine
+        for ask in (lambda: get_backend("triton", "cuda"),
+                    lambda: import_kernels("nanovllm.layers.moe_triton", "cuda", "the fused MoE kernel")):
+            try:
+                ask()
+            except ValueError as e:
+                print("refused:", e)
+    """)
+    refusals = out.splitlines()
+    assert len(refusals) == 2, out
+    for line in refusals:
+        assert "device='cuda'" in line and "TRITON_INTERPRET='1'" in line and "interpreter" in line
+    assert "attention_backend='triton'" in refusals[0] and "fused MoE" in refusals[1]
+    out = run_fresh_python("""
+        import torch
+        from nanovllm.layers.backends import get_backend
+        torch.cuda.is_available = lambda: True    # as on a GPU machine: the CUDA engine comes first
+        get_backend("triton", "cuda")
+        try:
+            get_backend("triton", "cpu")
+        except ValueError as e:
+            print("refused:", e)
+    """)
+    assert "refused:" in out and "device='cpu'" in out and "compiled" in out, out

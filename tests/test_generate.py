@@ -161,3 +161,25 @@ def test_sampling_controls(model_dir, prompts):
                               use_tqdm=False)[0]["token_ids"]
     assert other_seed != alone
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_seeded_sampling_noise_is_a_function_of_seed_and_position(model_dir, prompts):
+    """A seeded request draws the same tokens however its prompt is computed: in one step or in
+    chunks, or with its full blocks from the prefix cache. And its k-th token is the first token
+    of the same request for its prompt + its first k-1 tokens: the noise of a sampled token is a
+    function of (seed, that token's position) only, never of where the step's chunk started."""
+    prompt = prompts[5]                                   # 150 tokens
+    seeded = dict(temperature=1.0, seed=4321, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, **seeded)
+    one_step = make_llm(model_dir)
+    [first] = one_step.generate([prompt], params, use_tqdm=False)
+    ids = first["token_ids"]
+    [cached] = one_step.generate([prompt], params, use_tqdm=False)
+    assert cached["num_cached_tokens"] > 0 and cached["token_ids"] == ids
+    chunked = make_llm(model_dir, max_num_batched_tokens=64, enable_prefix_caching=False)  # 64 + 64 + 22
+    [in_chunks] = chunked.generate([prompt], params, use_tqdm=False)
+    assert in_chunks["token_ids"] == ids
+    for k in (2, 5, 8):
+        [out] = chunked.generate([prompt + ids[:k - 1]], SamplingParams(max_tokens=1, **seeded), use_tqdm=False)
+        assert out["token_ids"] == [ids[k - 1]], f"token {k}"
+    assert len(set(ids)) > 1, "a sampled run that repeats one token would not show the positions"

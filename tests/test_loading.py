@@ -43,6 +43,29 @@ def test_config_that_does_not_match_the_weights(model_dir, tmp_path, changes, te
         assert part in message, f"{part!r} missing from: {message}"
 
 
+# Same element count, other shape: a size check alone would load these, scrambled. One tensor per
+# kind of weight loader: packed q/k/v, packed gate/up, row-parallel, vocabulary-parallel.
+@pytest.mark.parametrize("tensor, expected", [
+    ("model.layers.0.self_attn.k_proj.weight", (32, 64)),
+    ("model.layers.1.mlp.gate_proj.weight", (128, 64)),
+    ("model.layers.0.mlp.down_proj.weight", (64, 128)),
+    ("model.embed_tokens.weight", (512, 64)),
+])
+def test_transposed_tensor_is_refused(model_dir, tmp_path, tensor, expected):
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model_dir, tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(weights)
+    assert tuple(tensors[tensor].shape) == expected
+    tensors[tensor] = tensors[tensor].t().contiguous()
+    save_file(tensors, weights)
+    with pytest.raises(ValueError) as error:
+        LLM(str(tmp_path / "m"), max_model_len=MAX_MODEL_LEN)
+    message = str(error.value)
+    for part in (tensor, "model.safetensors", str(expected), str(expected[::-1])):
+        assert part in message, f"{part!r} missing from: {message}"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
 def test_unreadable_weights_file(model_dir, tmp_path, damage):
     shutil.copytree(model_dir, tmp_path / "m")

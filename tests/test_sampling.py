@@ -293,6 +293,45 @@ def test_stop_token_ids_and_min_tokens(llm, prompts):
     assert len(late["token_ids"]) >= first + 3 and stop_id not in late["token_ids"][:first + 2]
 
 
+def copy_with_eos(model_dir, folder, eos_token_id):
+    """The test model whose config.json and generation_config.json name `eos_token_id` as EOS."""
+    shutil.copytree(model_dir, folder)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((folder / name).read_text())
+        config["eos_token_id"] = eos_token_id
+        (folder / name).write_text(json.dumps(config))
+    return str(folder)
+
+
+def streamed(llm, prompt, params) -> tuple[list[int], dict]:
+    """stream()'s token ids, concatenated, and its last update."""
+    updates = list(llm.stream([prompt], params))
+    assert updates[-1]["finished"] and not any(u["finished"] for u in updates[:-1])
+    return [t for u in updates for t in u["token_ids"]], updates[-1]
+
+
+def test_eos_stop_has_no_stop_reason_and_a_stop_token_names_its_id(model_dir, llm, prompts, tmp_path):
+    """Stopped by EOS: finish_reason "stop" and stop_reason None (as vLLM: stop_reason names only a
+    stop string or a stop_token_ids entry); stopped by a stop_token_ids entry: stop_reason is that
+    id. Both in generate()'s output and in stream()'s last update. EOS is a token the greedy run
+    produces, through a model copy whose configs say so."""
+    prompt = prompts[4]
+    ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)[0]["token_ids"]
+    firsts = [i for i, t in enumerate(ids) if ids.index(t) == i]   # positions of first occurrences
+    stop_at, eos_at = firsts[2], firsts[4]
+    eos_llm = LLM(copy_with_eos(model_dir, tmp_path / "eos", ids[eos_at]), max_model_len=400)
+    cases = [(SamplingParams(temperature=0, max_tokens=30), eos_at, None),
+             (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[ids[stop_at]]), stop_at, ids[stop_at])]
+    for params, end, stop_reason in cases:
+        [out] = eos_llm.generate([prompt], params, use_tqdm=False)
+        assert out["token_ids"] == ids[:end + 1]
+        assert (out["finish_reason"], out["stop_reason"]) == ("stop", stop_reason)
+        tokens, last = streamed(eos_llm, prompt, params)
+        assert tokens == ids[:end + 1]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop_reason)
+
+
 def test_n_samples_share_prompt_blocks(model_dir, prompts):
     prompt = prompts[6]  # 257 tokens: 16 full blocks
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=5)
@@ -371,6 +410,35 @@ def test_stream_concatenates_to_generate(model_dir, tmp_path, tokenizer):
     assert multibyte, "the outputs should exercise multi-byte characters"
     assert order != sorted(order), "requests should interleave (continuous batching)"
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize("chars_before", [1, 2])
+def test_streamed_text_holds_back_a_stop_string_that_spans_tokens(llm, chars_before):
+    """A stop string of chars_before + 1 characters: the last chars_before of token k's text and the
+    first of token k+1's, first occurring there. While streaming, the text that could still be the
+    start of a stop string is held back, so no update ever shows what generate() cuts off: the
+    pieces concatenate to generate()'s text, and every partial concatenation is a prefix of it."""
+    prompt = "Prefix caching shares"
+    [full] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    ids, tok = full["token_ids"], llm.tokenizer
+    texts = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids) + 1)]
+
+    def stop_at(k):
+        return texts[k + 1][len(texts[k]) - chars_before:len(texts[k]) + 1]
+
+    def spanning(k):
+        return (len(texts[k]) - chars_before >= len(texts[k - 1]) and len(texts[k + 1]) > len(texts[k])
+                and "\ufffd" not in stop_at(k) and full["text"].find(stop_at(k)) == len(texts[k]) - chars_before)
+    k = next(k for k in range(3, len(ids) - 2) if spanning(k))
+    stop = stop_at(k)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    [expected] = llm.generate([prompt], params, use_tqdm=False)
+    assert expected["text"] == full["text"][:len(texts[k]) - chars_before] and expected["stop_reason"] == stop
+    text = ""
+    for update in llm.stream([prompt], params):
+        text += update["text"]
+        assert expected["text"].startswith(text), f"streamed {text!r}, beyond generate()'s {expected['text']!r}"
+    assert text == expected["text"] and update["stop_reason"] == stop
 
 
 def test_abandoned_stream_frees_its_blocks(llm, prompts):

@@ -481,6 +481,111 @@ def test_mixed_step_with_fp32_tiles(num_heads, num_kv_heads, head_dim):
     test_mixed_step_over_paged_cache(num_heads, num_kv_heads, head_dim, 16)
 
 
+class LaunchRecorder:
+    """Stands in for a kernel: records each launch's grid and mode flags, then launches it."""
+    FLAGS = ("PAGED", "MIXED", "SPLIT_KV")
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((tuple(grid), {k: v for k, v in kwargs.items() if k in self.FLAGS}))
+            self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def record_launches(monkeypatch) -> dict:
+    recorders = {name: LaunchRecorder(getattr(triton_attn, name))
+                 for name in ("_prefill_kernel", "_decode_kernel", "_reduce_kernel")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(triton_attn, name, recorder)
+    return recorders
+
+
+def build_mixed_step(cached, new, num_heads, num_kv_heads, head_dim, block_size, gen, dtype=torch.float32):
+    """Sequence i has cached[i] tokens in the paged cache and new[i] new ones, already stored (as
+    Attention does before calling the backend). Returns q, k, v, the cache and the context."""
+    lens = [c + n for c, n in zip(cached, new)]
+    cache = PagedCache(lens, block_size, num_kv_heads, head_dim, gen, dtype=dtype).to(DEVICE)
+    q, k, v = qkv_views(sum(new), num_heads, num_kv_heads, head_dim, gen, dtype=dtype, q_scale=2.0)
+    slots = [s for i, (c, n) in enumerate(zip(cached, new)) for s in cache.slots(i, range(c, c + n))]
+    context = make_context(new, lens, cache.tables, slots)
+    TritonBackend.store_kv(k, v, cache.k, cache.v, context.slot_mapping)
+    return q, k, v, cache, context
+
+
+def check_mixed_step_launches(recorders, context, new, group, num_kv_heads, block_size, block_m) -> int:
+    """The decode rows went to one decode launch in mixed mode, split as context_num_splits says
+    (then reduced); the prefill grid has one program per BLOCK_M-row tile of each sequence's own
+    rows, plus at most one idle program per sequence (a max_q-sized grid per sequence has far
+    more). Returns the split count."""
+    batch = len(new)
+    [(grid, flags)] = recorders["_prefill_kernel"].launches
+    own_tiles = sum(triton.cdiv(n * group, block_m) for n in new)
+    assert flags["PAGED"] and len(grid) == 2 and grid[1] == num_kv_heads
+    assert own_tiles <= grid[0] <= own_tiles + batch
+    splits = context_num_splits(context, num_kv_heads, block_size, triton_attn._num_sms(torch.device(DEVICE)))
+    [(grid, flags)] = recorders["_decode_kernel"].launches
+    assert flags["MIXED"] and grid == (batch, num_kv_heads, splits) and flags["SPLIT_KV"] == (splits > 1)
+    assert [(g[0], f["MIXED"]) for g, f in recorders["_reduce_kernel"].launches] == [(batch, True)] * (splits > 1)
+    return splits
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (8, 2)])
+def test_mixed_step_of_long_chunks_and_many_decode_rows(monkeypatch, num_heads, num_kv_heads):
+    """Two long prefill chunks (one fresh, one over a cached prefix) and a one-token prompt,
+    between 40 decode rows: the decode rows are attended by the split-KV decode kernel, the
+    chunks by the prefill kernel, over a grid sized by each sequence's own query count."""
+    recorders = record_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    decode_cached = torch.randint(1, 400, (40,), generator=gen).tolist()
+    cached = decode_cached[:20] + [0] + decode_cached[20:30] + [170, 0] + decode_cached[30:]
+    new = [1] * 20 + [200] + [1] * 10 + [150, 1] + [1] * 10
+    q, k, v, cache, context = build_mixed_step(cached, new, num_heads, num_kv_heads, 32, 16, gen)
+    assert not context.decode_only
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.2)
+    assert_close(out, reference(q, k, v, cache, context, 0.2))
+    splits = check_mixed_step_launches(recorders, context, new, num_heads // num_kv_heads, num_kv_heads, 16,
+                                       triton_attn.PREFILL_BLOCK_M_FP32)
+    assert splits > 1, "few sequences: the decode rows should be split"
+
+
+def test_step_of_prefill_chunks_only_launches_no_decode_kernel(monkeypatch):
+    """No sequence with one new query (the host copy of cu_seqlens_q says so): no decode launch.
+    Without the host copy the decode kernel is launched and all its programs idle: same result."""
+    recorders = record_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(17)
+    q, k, v, cache, context = build_mixed_step([0, 40, 7], [30, 2, 50], 4, 2, 32, 16, gen)
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.2)
+    assert_close(out, reference(q, k, v, cache, context, 0.2))
+    assert not recorders["_decode_kernel"].launches and len(recorders["_prefill_kernel"].launches) == 1
+    host_copy, context.cu_seqlens_q_cpu = context.cu_seqlens_q_cpu, None
+    again = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.2)
+    assert len(recorders["_decode_kernel"].launches) == 1 and torch.equal(again, out)
+    context.cu_seqlens_q_cpu = host_copy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the real shape is for the compiled kernels on a GPU")
+def test_mixed_step_at_serving_shape_on_gpu(monkeypatch):
+    """The step of issue 18: one 8K-token chunk over a cached prefix beside 255 decode rows, bf16,
+    32 query heads over 4 kv heads of 128 (Qwen3-30B-A3B's attention), against the torch reference
+    on the GPU in fp32; int32 offsets, grid limits and the binary search at that size."""
+    recorders = record_launches(monkeypatch)
+    gen = torch.Generator().manual_seed(18)
+    decode_cached = torch.randint(16, 1500, (255,), generator=gen).tolist()
+    cached, new = decode_cached[:128] + [512] + decode_cached[128:], [1] * 128 + [8192] + [1] * 127
+    q, k, v, cache, context = build_mixed_step(cached, new, 32, 4, 128, 16, gen, dtype=torch.bfloat16)
+    out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 128 ** -0.5)
+    torch.cuda.synchronize()
+    ref_context = make_context(new, context.seq_lens_k_cpu, cache.tables)
+    ref = TorchBackend.forward(q.float(), k.float(), v.float(), cache.k.float(), cache.v.float(), ref_context,
+                               128 ** -0.5)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2)
+    check_mixed_step_launches(recorders, context, new, 8, 4, 16, triton_attn.PREFILL_BLOCK_M)
+
+
 def test_store_then_decode_through_both_backends():
     """One decode step end to end: each backend stores the new token and attends; same result."""
     gen = torch.Generator().manual_seed(11)

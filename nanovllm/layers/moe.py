@@ -17,6 +17,7 @@ from torch import nn
 from nanovllm.layers.linear import ReplicatedLinear, divide
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
+from nanovllm.utils.triton_mode import import_kernels
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +59,9 @@ def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor) -> torch.Tensor:
     """The fused Triton kernel on CUDA, the PyTorch reference elsewhere."""
-    if x.is_cuda:
-        from nanovllm.layers.moe_triton import triton_experts
-        return triton_experts(x, w13, w2, weights, ids)
+    if x.is_cuda:  # (a ValueError if an engine on CPU put this process's Triton in interpreter mode)
+        return import_kernels("nanovllm.layers.moe_triton", "cuda", "the fused mixture-of-experts kernel"
+                              ).triton_experts(x, w13, w2, weights, ids)
     return torch_experts(x, w13, w2, weights, ids)
 
 

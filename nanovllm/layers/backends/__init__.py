@@ -8,11 +8,13 @@ A backend is a class with two static methods:
                                                     sequence's context (cache + new tokens)
 
 flash_attn  flash-attn's varlen / kv-cache kernels (CUDA; needs block_size % 256 == 0)
-triton      our own kernels (CUDA; on CPU they run under the Triton interpreter, slowly: for tests)
+triton      our own kernels (CUDA; on CPU they run under the Triton interpreter, slowly: for tests;
+            one of the two per process, see utils/triton_mode.py)
 torch       plain PyTorch, any device: the reference the others are tested against
 """
 import importlib.util
-import os
+
+from nanovllm.utils.triton_mode import import_kernels
 
 BACKENDS = ("flash_attn", "triton", "torch")
 
@@ -46,9 +48,8 @@ def get_backend(name: str, device: str):
         from nanovllm.layers.backends.flash_attn import FlashAttnBackend
         return FlashAttnBackend
     if name == "triton":
-        if device == "cpu":  # Triton reads this when its kernels are defined: set it before the import
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        from nanovllm.layers.backends.triton_attn import TritonBackend
-        return TritonBackend
+        # Interpreted on CPU, compiled on CUDA; Triton has one mode per process, so an engine that
+        # needs the other one than an earlier engine of the process is refused (utils/triton_mode.py)
+        return import_kernels("nanovllm.layers.backends.triton_attn", device, "attention_backend='triton'").TritonBackend
     from nanovllm.layers.backends.torch_ref import TorchBackend
     return TorchBackend

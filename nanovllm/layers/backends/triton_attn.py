@@ -6,13 +6,32 @@ Three kernels and one reduction:
   _prefill_kernel    flash-attention (online softmax, fp32) over tiles of BLOCK_M rows x BLOCK_N
                      keys, for steps with multi-token queries: either over the fresh K/V (no
                      sequence has cached context) or over the paged cache (prefill chunks after a
-                     cached prefix, mixed with decode rows). GQA-aware: the BLOCK_M rows of a
-                     program are (query, head-in-group) pairs of ONE kv head, so each K/V tile is
-                     loaded once for the whole group of H/Hkv query heads.
-  _decode_kernel     split-KV decode for decode-only steps, grid (B, Hkv, num_splits): a program
-                     takes all H/Hkv query heads of one kv head (padded to >= 16 rows for tl.dot)
-                     and one share of the context; it writes a partial (max, sum, acc) per split
+                     cached prefix). GQA-aware: the BLOCK_M rows of a program are (query,
+                     head-in-group) pairs of ONE kv head, so each K/V tile is loaded once for the
+                     whole group of H/Hkv query heads. Its grid is sized by each sequence's own
+                     query count (see "Work items" below), not by the longest one's.
+  _decode_kernel     split-KV decode, grid (B, Hkv, num_splits): a program takes all H/Hkv query
+                     heads of one kv head (padded to >= 16 rows for tl.dot) and one share of the
+                     context; it writes a partial (max, sum, acc) per split
   _reduce_kernel     and this combines the splits (skipped when num_splits == 1).
+
+Mixed steps (prefill chunks beside decode rows, over the paged cache) run both: the decode kernel
+takes the sequences with exactly one new token, with split-KV, and the prefill kernel the others.
+One kernel for all would give each decode row a single unsplit program per kv head walking its
+whole context while the chunk's programs run, and a grid of max_q's tiles for every sequence
+launches mostly idle programs: an 8K-token chunk beside 255 decode rows, 4 query heads per kv
+head, made 512 x 256 programs per kv head for ~800 tiles of work. The split count of the decode
+rows comes from context_num_splits as in a decode-only step (B, not the padded batch: a mixed
+step is never a graph replay), so a row's bits may differ between the two kinds of step.
+
+Work items of the prefill kernel. Sequence b has n_b = cu_q[b+1] - cu_q[b] new queries, i.e.
+n_b * GROUP rows, in cdiv(n_b * GROUP, BLOCK_M) tiles. Its first tile is work item
+    first(b) = (cu_q[b] * GROUP) // BLOCK_M + b,
+which leaves room for all its tiles before first(b+1) (floor((c + r) / M) - floor(c / M) + 1 >=
+cdiv(r, M) for r = n_b * GROUP rows), and every tile of the step fits below
+(T * GROUP) // BLOCK_M + B. So the grid is that many programs per kv head, from shapes only (no
+host sync, CUDA-graph safe), at most B of them idle; a program finds its sequence by a binary
+search of first() over cu_q, which is increasing in b.
 
 The decode path never reads a device value on the host, so a CUDA graph can capture it:
 num_splits comes from shapes only (see decode_num_splits) and each split reads its sequence's
@@ -73,7 +92,7 @@ MAX_SPLITS = 64                # bounds the reduce kernel's tile and the partial
 # tells the compiler the head_dim axis is contiguous so it can issue 16-byte vector loads/stores,
 # and the outer ones, multiples of 16, let it prove that every row starts aligned.
 STORE_KV_DYNAMIC_ARGS = ["num_tokens"]
-PREFILL_DYNAMIC_ARGS = ["s_bt"]
+PREFILL_DYNAMIC_ARGS = ["s_bt", "num_seqs"]
 DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits"]   # s_mb = H * num_splits, s_mh = num_splits
 REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits"]
 
@@ -109,28 +128,41 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                     s_k0, s_k1, s_kh, s_kd, s_v0, s_v1, s_vh, s_vd, s_bt,
-                    scale_log2,
+                    scale_log2, num_seqs,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Grid (cdiv(max_seqlen_q * GROUP, BLOCK_M), B, Hkv).
+    """Grid ((T * GROUP) // BLOCK_M + B, Hkv): work items, see "Work items" at the top.
 
     PAGED: K/V are caches [num_blocks, block_size, Hkv, D] (s_k0 = block stride, s_k1 = slot
-    stride) read through block table row b; the context length is seq_lens[b].
+    stride) read through block table row b; the context length is seq_lens[b]. Sequences with
+    one new query are the decode kernel's (mixed steps): their programs idle here.
     Not PAGED: K/V are the step's new rows [T, Hkv, D] (s_k1 = row stride, s_k0 unused); the
     context is the sequence's own new rows, cu_q[b] .. cu_q[b+1].
     """
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    kvh = tl.program_id(2)
+    work = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # b = the last sequence whose first work item is <= work: binary search, first(0) = 0
+    lo = work * 0                                        # (an int32 tensor, as the loop updates it)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if (tl.load(cu_q_ptr + mid) * GROUP) // BLOCK_M + mid <= work:
+            lo = mid
+        else:
+            hi = mid
+    b = lo
     q_start = tl.load(cu_q_ptr + b)
     n = tl.load(cu_q_ptr + b + 1) - q_start              # new queries of sequence b
+    tile = work - (q_start * GROUP) // BLOCK_M - b       # this program's tile of sequence b
     if PAGED:
         length = tl.load(seq_lens_ptr + b)               # context length (cached + new)
+        busy = (tile * BLOCK_M < n * GROUP) & (n > 1)
     else:
         length = n
-    if pid_m * BLOCK_M < n * GROUP:                      # programs past this sequence's rows idle
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        busy = tile * BLOCK_M < n * GROUP
+    if busy:                                             # programs past this sequence's rows idle
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         qi = rows // GROUP                               # query index within the sequence
         head = kvh * GROUP + rows % GROUP                # query head
         row_ok = qi < n
@@ -144,7 +176,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, n - 1)
+        last_q = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, n - 1)
         kv_end = length - n + last_q + 1                 # keys past the tile's last query are masked anyway
         for start_n in range(0, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -176,15 +208,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
 
 @triton.jit(do_not_specialize=DECODE_DYNAMIC_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
-                   seq_lens_ptr, bt_ptr,
+                   seq_lens_ptr, bt_ptr, cu_q_ptr,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_bt,
                    s_mb, s_mh, s_ms,                     # mid_m / mid_l [B, H, S]; mid_o [B, H, S, BLOCK_D]
                    scale_log2, num_splits,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   SPLIT_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Grid (B, Hkv, num_splits); row b of q is sequence b's only query, at position length-1.
+                   SPLIT_KV: tl.constexpr, MIXED: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (B, Hkv, num_splits); sequence b's only query is at position length-1, in row b of q
+    (decode-only steps) or, MIXED, in row cu_q[b] of a mixed step's q, where sequences with more
+    than one new query are the prefill kernel's and their programs idle (cu_q_ptr unused otherwise).
 
     num_splits is a runtime value, not a constexpr (nor specialized): eager steps of different
     padded batch sizes use different counts, and each would otherwise compile a new variant.
@@ -193,18 +227,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(seq_lens_ptr + b)                   # 0 for CUDA-graph padding rows
+    g = tl.arange(0, BLOCK_G)
+    if MIXED:
+        row = tl.load(cu_q_ptr + b)
+        single = tl.load(cu_q_ptr + b + 1) - row == 1
+        length = tl.where(single, length, 0)             # no keys to read,
+        g_ok = g < tl.where(single, GROUP, 0)            # no query heads: nothing loaded or stored
+        row = row.to(tl.int64)
+    else:
+        g_ok = g < GROUP
+        row = b.to(tl.int64)
     # This split's keys: an equal share of the context, in whole tiles, so no split is empty
     # unless the context has fewer tiles than there are splits.
     tiles_per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
 
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
     head = kvh * GROUP + g                               # the query heads sharing kv head kvh
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    row = b.to(tl.int64)
     q = tl.load(q_ptr + row * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_G, BLOCK_D]
 
@@ -232,7 +273,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
         m_i = m_new
 
     if SPLIT_KV:
-        mid = row * s_mb + head * s_mh + split * s_ms                                # [BLOCK_G]
+        mid = b.to(tl.int64) * s_mb + head * s_mh + split * s_ms                     # [BLOCK_G]
         tl.store(mid_m_ptr + mid, m_i, mask=g_ok)
         tl.store(mid_l_ptr + mid, l_i, mask=g_ok)
         tl.store(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
@@ -243,16 +284,26 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
 
 
 @triton.jit(do_not_specialize=REDUCE_DYNAMIC_ARGS)
-def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
+def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cu_q_ptr,
                    s_ot, s_oh, s_od, s_mb, s_mh, s_ms, num_splits,
                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    """Grid (B, H): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
+                   BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
+    """Grid (B, H): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s, in row
+    b of out, or (MIXED, as _decode_kernel) row cu_q[b], only for sequences with one new query."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
+    if MIXED:  # a sequence with more queries has no partials (see _decode_kernel): read and store nothing
+        row = tl.load(cu_q_ptr + b)
+        single = tl.load(cu_q_ptr + b + 1) - row == 1
+        s_ok = s < tl.where(single, num_splits, 0)
+        d_ok = offs_d < tl.where(single, HEAD_DIM, 0)
+        row = row.to(tl.int64)
+    else:
+        s_ok = s < num_splits
+        d_ok = offs_d < HEAD_DIM
+        row = b
     mid = b * s_mb + h * s_mh + s * s_ms
     m = tl.load(mid_m_ptr + mid, mask=s_ok, other=NEG_BIG)
     l = tl.load(mid_l_ptr + mid, mask=s_ok, other=0.0)
@@ -260,8 +311,7 @@ def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
     w = tl.exp2(m - tl.max(m, 0))                        # empty splits: m = NEG_BIG, l = 0, acc = 0
     total = tl.sum(w * l, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(out_ptr + row * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +346,8 @@ def context_num_splits(context: Context, num_kv_heads: int, block_size: int, num
     context's blocks) and its CUDA-graph replay (padded rows, W = max_blocks_per_seq). A different
     count cuts a context at other tile boundaries and sums the partials in another order, i.e.
     other bf16 bits. Short contexts then leave some splits empty, as captured graphs always did.
-    Contexts without those fields (direct calls, tests) fall back to B and W.
+    Contexts without those fields (direct calls, tests) fall back to B and W. The decode rows of a
+    mixed step (padded_batch 0) fall back to B, which counts the step's prefill chunks too.
     """
     batch = context.padded_batch or context.block_tables.shape[0]
     bound = context.max_model_len or context.block_tables.shape[1] * block_size
@@ -327,6 +378,22 @@ def _check(q: torch.Tensor, k: torch.Tensor | None, context: Context) -> tuple[i
     return num_heads, num_kv_heads, head_dim
 
 
+def prefill_num_work_items(num_tokens: int, batch: int, group: int, block_m: int) -> int:
+    """Programs per kv head of _prefill_kernel: every sequence's tiles of BLOCK_M (query,
+    head-in-group) rows, each sequence starting at its work item first(b) (see the module's
+    docstring). From shapes only: T (q's rows, >= cu_seqlens_q[B]) and B."""
+    return num_tokens * group // block_m + batch
+
+
+def _may_have_decode_rows(context: Context) -> bool:
+    """False only when the host copy of cu_seqlens_q shows no sequence with one new query (then
+    the decode launch of a mixed step would be all idle programs). any() stops at the first such
+    sequence, and the scheduler puts the running (decoding) sequences first: O(1) in a mixed
+    step, O(B) in a step of prefill chunks only."""
+    cu = context.cu_seqlens_q_cpu
+    return cu is None or any(b - a == 1 for a, b in zip(cu, cu[1:]))
+
+
 def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: torch.Tensor):
     num_heads, num_kv_heads, head_dim = _check(q, k if k is not None else k_cache, context)
     group = num_heads // num_kv_heads
@@ -347,12 +414,14 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
     block_d = _block_d(head_dim)
     if block_d > 128:                       # D=256: 64-key tiles need 160 KB of shared memory and spill
         block_n = min(block_n, PREFILL_BLOCK_N_WIDE_HEADS)
-    max_q = context.max_seqlen_q if context.max_seqlen_q > 0 else q.shape[0]
-    grid = (triton.cdiv(max_q * group, block_m), batch, num_kv_heads)
+    if paged and _may_have_decode_rows(context):     # the decode rows of a mixed step: split-KV decode
+        num_splits = context_num_splits(context, num_kv_heads, block_size, _num_sms(q.device))
+        decode(q, k_cache, v_cache, seq_lens, bt, scale, out, num_splits, cu_seqlens_q=context.cu_seqlens_q)
+    grid = (prefill_num_work_items(q.shape[0], batch, group, block_m), num_kv_heads)
     _prefill_kernel[grid](
         q, key, value, out, context.cu_seqlens_q, seq_lens, bt,
         *q.stride(), *out.stride(), *ks, *vs, s_bt,
-        scale * LOG2E,
+        scale * LOG2E, batch,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGED=paged,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
@@ -360,19 +429,25 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
 
 
 def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: torch.Tensor | None = None,
-           num_splits: int | None = None) -> torch.Tensor:
+           num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
+    cu_seqlens_q [B+1] (mixed steps): q and out are instead all T rows of the step, [T, H, D];
+    sequence b's rows are cu_seqlens_q[b] .. cu_seqlens_q[b+1], and only the sequences with
+    exactly one are attended here (their row of out written, the others' rows left alone).
     No host sync, no device value read: safe under CUDA-graph capture. num_splits=None picks
     decode_num_splits(...) from these shapes; TritonBackend.forward passes context_num_splits.
     """
-    batch, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
+    batch = block_tables.shape[0]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"decode needs one query row per sequence: q has {batch} rows, "
-                         f"block_tables {block_tables.shape[0]}")
+    if cu_seqlens_q is None and num_rows != batch:
+        raise ValueError(f"decode needs one query row per sequence: q has {num_rows} rows, "
+                         f"block_tables {batch}")
+    if cu_seqlens_q is not None and cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for {batch} sequences (needs B+1)")
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
     if out is None:
@@ -385,19 +460,21 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
         mid_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     else:                                   # the kernel writes `out` directly; these are not touched
         mid_m = mid_l = mid_o = out
+    mixed = cu_seqlens_q is not None
+    cu_q = cu_seqlens_q if mixed else seq_lens_k   # (not read unless mixed: any int32 tensor will do)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables,
+        q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         num_heads * num_splits, num_splits, 1,
         scale * LOG2E, num_splits,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1, MIXED=mixed,
         BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            out, mid_o, mid_m, mid_l, *out.stride(), num_heads * num_splits, num_splits, 1, num_splits,
+            out, mid_o, mid_m, mid_l, cu_q, *out.stride(), num_heads * num_splits, num_splits, 1, num_splits,
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, num_warps=4)
+            BLOCK_D=block_d, MIXED=mixed, num_warps=4)
     return out
 
 
