@@ -23,6 +23,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
+from nanovllm.engine.recorder import StepRecorder
 
 # Model shapes for --dummy: random weights, no files needed.
 PRESETS = {
@@ -161,32 +162,15 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
     plt.close(fig)
 
 
-def gpu_idle_fraction(events) -> float | None:
-    """Share of the wall time of consecutive decode steps in which the GPU had nothing to do: from
-    one step's end to the next step's start, as CUDA events timed them (a start event recorded
-    on an idle stream completes at once, so it marks when the host got to launching the step)."""
-    if not events:
-        return None
-    torch.cuda.synchronize()
-    idle = total = 0.0
-    for (decode, _, end), (next_decode, next_start, next_end) in zip(events, events[1:]):
-        if decode and next_decode:
-            idle += end.elapsed_time(next_start)
-            total += end.elapsed_time(next_end)
-    return idle / total if total else None
-
-
 def run_nanovllm(args, path, prompts, max_tokens):
     llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling)
-    warm_up(llm, prompts)                                   # not timed; the stats below count from here
-    if args.timeline:
-        llm.step_records = []
-    if llm.config.device == "cuda":
-        llm.model_runner.step_events = []
+    warm_up(llm, prompts)                                   # not timed; the recorder counts from here
+    recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
+    llm.attach_recorder(recorder)
     before = dict(llm.stats())
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync(llm.config.device)
@@ -194,8 +178,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     sync(llm.config.device)
     elapsed = time.perf_counter() - start
-    stats = llm.stats()
-    delta = {k: stats[k] - before[k] for k in ("prefill_tokens", "prefill_time_s", "decode_tokens", "decode_time_s")}
+    stats, delta = llm.stats(), recorder.totals
     output_tokens = sum(len(o["token_ids"]) for o in outputs)
     result = {
         "output_tokens": output_tokens, "elapsed_s": elapsed, "output_tok_per_s": output_tokens / elapsed,
@@ -206,10 +189,10 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "tpot_s": percentiles(o["metrics"]["tpot_s"] for o in outputs),
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
         "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
-        "gpu_idle_between_decode_steps": gpu_idle_fraction(llm.model_runner.step_events),
+        "gpu_idle_between_decode_steps": recorder.gpu_idle_fraction(),
     }
     if args.timeline:
-        draw_timeline(llm.step_records, llm.block_manager.num_blocks, args.timeline)
+        draw_timeline(recorder.records, stats["num_blocks"], args.timeline)
         result["timeline"] = args.timeline
     llm.shutdown()
     del llm

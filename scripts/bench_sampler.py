@@ -2,8 +2,8 @@
 
     python scripts/bench_sampler.py [--batch 256] [--vocab 151936] [--device cpu] [--iters 5]
 
-Times ModelRunner.sampling_batch + Sampler for a decode step in several configurations and
-prints each one's time and its cost over plain greedy argmax.
+Times BatchState.sampling_inputs + ModelRunner.sampling_batch + Sampler for a decode step in
+several configurations and prints each one's time and its cost over plain greedy argmax.
 
 The logits are peaked like a language model's (LOGIT_SCALE). Two more lines show the cases where
 top-p cannot be served from the most likely NUM_CANDIDATES tokens and sorts whole rows: flat logits
@@ -14,16 +14,15 @@ import argparse
 import os
 import sys
 import time
-from types import SimpleNamespace
-
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.engine.batch_state import BatchState  # noqa: E402
 from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
-from nanovllm.engine.scheduler import plan_step  # noqa: E402
-from nanovllm.engine.sequence import SeqState, Sequence  # noqa: E402
-from nanovllm.layers.sampler import Sampler, TokenHistory  # noqa: E402
+from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.layers.sampler import Sampler  # noqa: E402
 
 # Standard normal logits over a 150k vocabulary are nearly flat: at temperature 0.8 the 0.9 nucleus
 # holds ~78k tokens. Scaled by 4 the top token has ~0.26 and the nucleus ~90 tokens (at most ~300),
@@ -54,33 +53,35 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    # only what sampling_batch reads: the device and host->device copies
-    runner = SimpleNamespace(device=device, pin=device.type == "cuda")
-    runner._to_device = ModelRunner._to_device.__get__(runner)
-    runner.token_history = TokenHistory(args.batch, args.prompt_len + args.output_len, runner._to_device)
+    # only what sampling_batch reads: the device and the token table (penalties read it)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = device
+    length = args.prompt_len + args.output_len
+    runner.token_table = torch.zeros(args.batch + 1, length + 1, dtype=torch.int32, device=device)
     sampler = Sampler()
     normal = torch.randn(args.batch, args.vocab, device=device)
     logits_of = {"flat": normal, "peaked": LOGIT_SCALE * normal, "bf16": (LOGIT_SCALE * normal).bfloat16().float()}
     gen = torch.Generator().manual_seed(0)
     results = {}
     for name, params in CONFIGS.items():
-        seqs, state = [], SeqState()
+        seqs, state = [], BatchState(args.batch)
         for i in range(args.batch):
-            ids = torch.randint(0, args.vocab, (args.prompt_len + args.output_len,), generator=gen).tolist()
-            seq = Sequence(ids[:args.prompt_len], SamplingParams(max_tokens=4096, **params), seed=i)
-            seq.token_ids.extend(ids[args.prompt_len:])
-            seq.num_tokens = len(seq.token_ids)
-            seq.num_computed_tokens, seq.num_scheduled_tokens = seq.num_tokens - 1, 1  # a decode step
-            state.attach(seq)
+            ids = torch.randint(0, args.vocab, (length,), generator=gen)
+            seq = Sequence(ids[:args.prompt_len].tolist(), SamplingParams(max_tokens=4096, **params), seed=i)
+            seq.token_ids.extend(ids[args.prompt_len:].tolist())
+            state.take_row(seq)
+            runner.token_table[seq.row, :length] = ids.to(torch.int32)
             seqs.append(seq)
-        step = plan_step(seqs, state)
+        rows = np.array([seq.row for seq in seqs])
+        positions = np.full(args.batch, length)  # a decode step: each samples the token after its last
         logits = logits_of[LOGITS.get(name, "peaked")]
         times = []
         for _ in range(args.iters + 1):  # the first call warms up
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            tokens, _ = sampler(logits, ModelRunner.sampling_batch(runner, step, args.vocab))
+            inputs = state.sampling_inputs(rows, positions, seqs)
+            tokens, _ = sampler(logits, runner.sampling_batch(inputs, args.vocab))
             tokens.tolist()
             times.append(time.perf_counter() - start)
         results[name] = min(times[1:])

@@ -14,10 +14,28 @@ def make_seq(token_ids, max_tokens=4):
     return Sequence(token_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), seed=0)
 
 
+def admit(bm: BlockManager, seq: Sequence) -> bool:
+    """What the scheduler does with allocate(): the tokens the cache serves count as computed,
+    and the first admission's count is the request's num_cached_tokens."""
+    num_cached = bm.allocate(seq)
+    if num_cached is None:
+        return False
+    seq.num_computed_tokens = num_cached
+    if not seq.admitted:
+        seq.num_cached_tokens, seq.admitted = num_cached, True
+    return True
+
+
+def release(bm: BlockManager, seq: Sequence):
+    """What the scheduler does with free_blocks(): the K/V are gone with the blocks."""
+    bm.free_blocks(seq)
+    seq.num_computed_tokens = 0
+
+
 def compute_all(bm: BlockManager, seq: Sequence, num_tokens=None):
     """What a step does once seq's K/V are written: mark tokens computed, publish full blocks."""
     seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
-    bm.cache_full_blocks(seq)
+    bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
 
 def check_invariants(bm: BlockManager, live: list[Sequence]):
@@ -34,7 +52,7 @@ def check_invariants(bm: BlockManager, live: list[Sequence]):
 def test_allocate_gives_ceil_blocks_and_free_returns_them(n):
     bm = BlockManager(num_blocks=10, block_size=BS)
     seq = make_seq(list(range(100, 100 + n)))
-    assert bm.allocate(seq)
+    assert admit(bm, seq)
     expected = -(-n // BS)
     assert len(seq.block_table) == expected
     assert len(set(seq.block_table)) == expected
@@ -44,7 +62,7 @@ def test_allocate_gives_ceil_blocks_and_free_returns_them(n):
     check_invariants(bm, [seq])
 
     table = list(seq.block_table)
-    bm.free_blocks(seq)
+    release(bm, seq)
     assert seq.block_table == [] and seq.num_computed_tokens == 0
     assert bm.num_free_blocks == 10
     assert all(bm.blocks[b].ref_count == 0 for b in table)
@@ -54,18 +72,18 @@ def test_allocate_gives_ceil_blocks_and_free_returns_them(n):
 def test_allocate_fails_without_change_when_too_few_free():
     bm = BlockManager(num_blocks=4, block_size=BS)
     a = make_seq(list(range(10)))          # 3 blocks
-    assert bm.allocate(a)
+    assert admit(bm, a)
     assert bm.num_free_blocks == 1
     b = make_seq(list(range(50, 55)))      # needs 2 blocks, 1 free
     free_before = list(bm.free)
     refs_before = [blk.ref_count for blk in bm.blocks]
-    assert not bm.allocate(b)
+    assert not admit(bm, b)
     assert b.block_table == [] and b.num_computed_tokens == 0 and not b.admitted
     assert list(bm.free) == free_before
     assert [blk.ref_count for blk in bm.blocks] == refs_before
     # Exactly enough free is fine.
     c = make_seq(list(range(60, 64)))      # 1 block
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert bm.num_free_blocks == 0
     check_invariants(bm, [a, c])
 
@@ -74,24 +92,24 @@ def test_allocate_fails_without_change_when_cache_hit_needs_revival_but_too_few_
     """A cached-but-free block that would be revived counts against the free blocks."""
     bm = BlockManager(num_blocks=4, block_size=BS)
     a = make_seq(list(range(9)))                 # blocks [0, 1, 2]; 0 and 1 full and published
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
-    bm.free_blocks(a)
+    release(bm, a)
     assert list(bm.free) == [3, 2, 1, 0]
     hog = make_seq(list(range(500, 508)))        # takes blocks 3 and 2; cached 1 and 0 stay free
-    assert bm.allocate(hog)
+    assert admit(bm, hog)
     b = make_seq(list(range(8)) + [77, 78, 79])  # 2 hits to revive + 1 new = 3 > 2 free
     free_before, hashes_before = list(bm.free), dict(bm.hash_to_block)
     stat_before = bm.num_cached_tokens
-    assert not bm.allocate(b)
+    assert not admit(bm, b)
     assert b.block_table == [] and b.num_computed_tokens == 0 and not b.admitted
     assert list(bm.free) == free_before and dict(bm.hash_to_block) == hashes_before
     assert bm.num_cached_tokens == stat_before
     assert all(bm.blocks[i].ref_count == 0 for i in (0, 1))
     check_invariants(bm, [hog])
     # With one more block free it fits, reviving both cached blocks.
-    bm.free_blocks(hog)
-    assert bm.allocate(b)
+    release(bm, hog)
+    assert admit(bm, b)
     assert b.block_table[:2] == [0, 1] and b.num_computed_tokens == 8
     check_invariants(bm, [b])
 
@@ -102,14 +120,14 @@ def test_prefix_hit_after_free_reuses_same_physical_blocks():
     bm = BlockManager(num_blocks=10, block_size=BS)
     prompt = list(range(1, 11))            # 10 tokens: 2 full blocks + 2 tokens
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     assert len(a.block_hashes) == 2
     a_table, a_hashes = list(a.block_table), list(a.block_hashes)
-    bm.free_blocks(a)
+    release(bm, a)
 
     b = make_seq(prompt[:8] + [99, 98, 97])  # same 2 full blocks, different tail
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 8
     assert b.num_cached_tokens == 8 and b.admitted
     assert b.block_table[:2] == a_table[:2]
@@ -123,22 +141,22 @@ def test_last_prompt_token_never_served_from_cache():
     bm = BlockManager(num_blocks=10, block_size=BS)
     prompt = list(range(1, 2 * BS + 1))    # exactly 2 full blocks
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     assert len(a.block_hashes) == 2
-    bm.free_blocks(a)
+    release(bm, a)
 
     b = make_seq(list(prompt))             # identical prompt
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == BS     # only block 0: block 1 holds the last prompt token
     assert b.num_cached_tokens == BS
     assert len(b.block_table) == 2
     assert b.num_computed_tokens < b.num_tokens
 
     # A 1-block prompt identical to a cached block gets nothing from the cache.
-    bm.free_blocks(b)
+    release(bm, b)
     c = make_seq(prompt[:BS])
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.num_computed_tokens == 0
 
 
@@ -146,23 +164,23 @@ def test_different_token_in_first_block_gives_no_hit_chained_hash():
     bm = BlockManager(num_blocks=10, block_size=BS)
     prompt = list(range(1, 14))            # 3 full blocks + 1
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
-    bm.free_blocks(a)
+    release(bm, a)
 
     changed = list(prompt)
     changed[0] = 999                       # blocks 1 and 2 identical, block 0 differs
     b = make_seq(changed)
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 0
     assert b.num_cached_tokens == 0
 
     # A change in block 1 keeps block 0's hit and stops there.
-    bm.free_blocks(b)
+    release(bm, b)
     changed = list(prompt)
     changed[BS + 1] = 999
     c = make_seq(changed)
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.num_computed_tokens == BS
 
 
@@ -170,12 +188,12 @@ def test_hit_on_block_held_by_running_sequence_is_shared():
     bm = BlockManager(num_blocks=10, block_size=BS)
     prefix = list(range(1, 9))             # 2 full blocks
     a = make_seq(prefix + [50, 51])
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)                     # a keeps running
     free_before = bm.num_free_blocks
 
     b = make_seq(prefix + [60, 61, 62])
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]
@@ -185,12 +203,12 @@ def test_hit_on_block_held_by_running_sequence_is_shared():
     check_invariants(bm, [a, b])
 
     shared = a.block_table[:2]
-    bm.free_blocks(a)
+    release(bm, a)
     for blk in shared:
         assert bm.blocks[blk].ref_count == 1
         assert blk not in bm.free
     check_invariants(bm, [b])
-    bm.free_blocks(b)
+    release(bm, b)
     assert bm.num_free_blocks == bm.num_blocks
     check_invariants(bm, [])
 
@@ -199,15 +217,15 @@ def test_partial_prefill_publishes_only_computed_full_blocks():
     bm = BlockManager(num_blocks=10, block_size=BS)
     prompt = list(range(1, 14))            # 13 tokens
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a, num_tokens=6)       # first chunk: block 0 full, block 1 half
     assert len(a.block_hashes) == 1
     compute_all(bm, a, num_tokens=12)      # second chunk: blocks 1 and 2 full
     assert len(a.block_hashes) == 3
     assert len(bm.hash_to_block) == 3
-    bm.free_blocks(a)
+    release(bm, a)
     b = make_seq(prompt)
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 12
 
 
@@ -219,22 +237,22 @@ def test_freed_blocks_reused_least_recently_freed_first():
     b = make_seq(list(range(11, 15)))      # 1 block
     c = make_seq(list(range(21, 25)))      # 1 block
     for s in (a, b, c):
-        assert bm.allocate(s)
+        assert admit(bm, s)
     assert bm.num_free_blocks == 3
     # Exhaust the never-used blocks so only freed ones remain.
     filler = make_seq(list(range(100, 112)))
-    assert bm.allocate(filler)
+    assert admit(bm, filler)
     assert bm.num_free_blocks == 0
     ba, bb, bc = a.block_table[0], b.block_table[0], c.block_table[0]
-    bm.free_blocks(b)
-    bm.free_blocks(c)
-    bm.free_blocks(a)
+    release(bm, b)
+    release(bm, c)
+    release(bm, a)
     assert list(bm.free) == [bb, bc, ba]
     x = make_seq([900])
     y = make_seq([901])
     z = make_seq([902])
     for s in (x, y, z):
-        assert bm.allocate(s)
+        assert admit(bm, s)
     assert [x.block_table[0], y.block_table[0], z.block_table[0]] == [bb, bc, ba]
 
 
@@ -242,50 +260,50 @@ def test_tail_block_evicted_before_prefix_and_evicted_hash_not_served():
     bm = BlockManager(num_blocks=4, block_size=BS)
     prompt = list(range(1, 13))            # 3 full blocks
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     b0, b1, b2 = a.block_table
     h0, h1, h2 = a.block_hashes
     unused = ({0, 1, 2, 3} - {b0, b1, b2}).pop()
-    bm.free_blocks(a)
+    release(bm, a)
     assert list(bm.free) == [unused, b2, b1, b0]   # tail freed first, so reused first
 
     # A new 2-block sequence takes the never-used block, then a's tail: its hash is gone,
     # the prefix blocks survive.
     other = make_seq([700, 701, 702, 703, 704])
-    assert bm.allocate(other)
+    assert admit(bm, other)
     assert other.block_table == [unused, b2]
     assert h2 not in bm.hash_to_block
     assert bm.hash_to_block.get(h0) == b0 and bm.hash_to_block.get(h1) == b1
     assert bm.blocks[b2].hash is None and bm.blocks[b2].token_ids is None
 
     # prompt + 1 token could hit 3 blocks; block 2 was evicted, so only 2 hit.
-    bm.free_blocks(other)
+    release(bm, other)
     c = make_seq(prompt + [5])
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.num_computed_tokens == 2 * BS
     assert c.block_table[:2] == [b0, b1]
     check_invariants(bm, [c])
 
     # Evict everything: nothing is served any more.
-    bm.free_blocks(c)
+    release(bm, c)
     hog = make_seq(list(range(800, 816)))
-    assert bm.allocate(hog)
+    assert admit(bm, hog)
     assert bm.hash_to_block == {}
-    bm.free_blocks(hog)
+    release(bm, hog)
     d = make_seq(prompt + [5])
-    assert bm.allocate(d)
+    assert admit(bm, d)
     assert d.num_computed_tokens == 0
 
 
 def test_revived_block_leaves_free_list():
     bm = BlockManager(num_blocks=4, block_size=BS)
     a = make_seq(list(range(1, 10)))       # 2 full + 1
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
-    bm.free_blocks(a)
+    release(bm, a)
     b = make_seq(list(range(1, 10)))
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 8
     for blk in b.block_table:
         assert blk not in bm.free
@@ -300,16 +318,16 @@ def test_hash_collision_does_not_give_false_hit(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 12345)
     bm = BlockManager(num_blocks=10, block_size=BS)
     a = make_seq([1, 2, 3, 4, 5])
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     cached = a.block_table[0]
-    bm.free_blocks(a)
+    release(bm, a)
     b = make_seq([9, 9, 9, 9, 5])
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 0
     assert cached not in b.block_table
     c = make_seq([1, 2, 3, 4, 6])
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.num_computed_tokens == BS and c.block_table[0] == cached
     check_invariants(bm, [b, c])
 
@@ -319,12 +337,12 @@ def test_hash_collision_same_block_tokens_different_prefix_is_not_a_hit(monkeypa
     monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)))
     bm = BlockManager(num_blocks=10, block_size=BS)
     a = make_seq([5, 5, 5, 5, 1, 2, 3, 4, 0])   # block 1 = [1,2,3,4] computed after prefix [5,5,5,5]
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
-    bm.free_blocks(a)
+    release(bm, a)
     # hash_to_block[hash((1, 2, 3, 4))] now names a's block 1, whose tokens are [1,2,3,4].
     b = make_seq([1, 2, 3, 4, 0])               # block 0 = [1,2,3,4] at positions 0..3, no prefix
-    assert bm.allocate(b)
+    assert admit(bm, b)
     # a's block 1 holds K/V for positions 4..7 after [5,5,5,5]: serving it here would be wrong.
     assert b.num_computed_tokens == 0
 
@@ -344,18 +362,18 @@ def test_reused_parent_does_not_vouch_for_its_old_child(monkeypatch):
     bm = BlockManager(num_blocks=3, block_size=BS)
     old_prefix, child, new_prefix = [1] * BS, [2] * BS, [3] * BS
     a = make_seq(old_prefix + child + [9])
-    assert bm.allocate(a)
+    assert admit(bm, a)
     parent_id, child_id, tail_id = a.block_table
     compute_all(bm, a, 2 * BS + 1)                    # publishes the parent [1]*BS and the child [2]*BS
     a.block_table = [child_id, tail_id, parent_id]    # freed in reverse: parent first, child last
-    bm.free_blocks(a)
+    release(bm, a)
     b = make_seq(new_prefix + [9])                    # takes the parent's block (the least recently freed)
-    assert bm.allocate(b) and b.num_computed_tokens == 0
+    assert admit(bm, b) and b.num_computed_tokens == 0
     assert b.block_table[0] == parent_id
     compute_all(bm, b, BS + 1)                        # the parent's block now holds [3]*BS, published
-    bm.free_blocks(b)
+    release(bm, b)
     c = make_seq(new_prefix + child + [5])
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.block_table[0] == parent_id              # the new prefix is a true hit...
     assert c.num_computed_tokens == BS                # ...the old child is not
 
@@ -364,11 +382,11 @@ def test_hash_collision_never_puts_one_block_twice_in_a_table(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 12345)
     bm = BlockManager(num_blocks=10, block_size=BS)
     a = make_seq([1] * 5)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
-    bm.free_blocks(a)
+    release(bm, a)
     b = make_seq([1] * 9)                       # blocks 0 and 1 both equal [1, 1, 1, 1]
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert len(set(b.block_table)) == len(b.block_table)  # not [0, 0, new] with ref_count 2
 
 
@@ -378,17 +396,17 @@ def test_prefix_caching_disabled_never_hits():
     bm = BlockManager(num_blocks=10, block_size=BS, enable_prefix_caching=False)
     prompt = list(range(1, 14))
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     assert a.block_hashes == [] and bm.hash_to_block == {}
-    bm.free_blocks(a)
+    release(bm, a)
     b = make_seq(prompt)
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert b.num_computed_tokens == 0 and b.num_cached_tokens == 0
     compute_all(bm, b)
     # Even while b is running, a third copy shares nothing.
     c = make_seq(prompt)
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.num_computed_tokens == 0
     assert not set(b.block_table) & set(c.block_table)
     assert bm.num_cached_tokens == 0
@@ -399,18 +417,18 @@ def test_num_cached_tokens_stat_accumulates():
     bm = BlockManager(num_blocks=20, block_size=BS)
     prefix = list(range(1, 9))             # 2 blocks
     a = make_seq(prefix + [100])
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     assert bm.num_cached_tokens == 0
     b = make_seq(prefix + [101])
-    assert bm.allocate(b)
+    assert admit(bm, b)
     assert bm.num_cached_tokens == 8
     c = make_seq(prefix[:4] + [0, 0, 0, 0, 1])
-    assert bm.allocate(c)
+    assert admit(bm, c)
     assert c.num_cached_tokens == 4
     assert bm.num_cached_tokens == 12
     d = make_seq([42] * 9)
-    assert bm.allocate(d)
+    assert admit(bm, d)
     assert bm.num_cached_tokens == 12
 
 
@@ -418,11 +436,11 @@ def test_sequence_num_cached_tokens_fixed_at_first_admission():
     bm = BlockManager(num_blocks=20, block_size=BS)
     prompt = list(range(1, 10))
     a = make_seq(prompt)
-    assert bm.allocate(a)
+    assert admit(bm, a)
     assert a.num_cached_tokens == 0
     compute_all(bm, a)
-    bm.free_blocks(a)                      # like a preemption: a is re-admitted later
-    assert bm.allocate(a)
+    release(bm, a)                      # like a preemption: a is re-admitted later
+    assert admit(bm, a)
     assert a.num_computed_tokens == 8      # recompute skips its own cached blocks
     assert a.num_cached_tokens == 0        # but its per-request stat stays the first admission's
     assert bm.num_cached_tokens == 8
@@ -433,7 +451,7 @@ def test_sequence_num_cached_tokens_fixed_at_first_admission():
 def test_grow_adds_blocks_only_when_needed():
     bm = BlockManager(num_blocks=5, block_size=BS)
     seq = make_seq(list(range(1, 6)))      # 5 tokens: 2 blocks
-    assert bm.allocate(seq)
+    assert admit(bm, seq)
     table = list(seq.block_table)
     assert bm.grow(seq, 8)                 # still fits in 2 blocks
     assert seq.block_table == table and bm.num_free_blocks == 3
@@ -452,9 +470,9 @@ def test_grow_adds_blocks_only_when_needed():
 def test_grow_fails_without_change_when_none_free():
     bm = BlockManager(num_blocks=3, block_size=BS)
     seq = make_seq(list(range(1, 9)))      # 2 blocks
-    assert bm.allocate(seq)
+    assert admit(bm, seq)
     other = make_seq([1])
-    assert bm.allocate(other)
+    assert admit(bm, other)
     assert bm.num_free_blocks == 0
     table = list(seq.block_table)
     assert bm.grow(seq, 8)                 # no block needed: succeeds even with none free
@@ -463,7 +481,7 @@ def test_grow_fails_without_change_when_none_free():
     assert bm.num_free_blocks == 0
     check_invariants(bm, [seq, other])
     # Needing two when only one is free also fails without taking the one.
-    bm.free_blocks(other)
+    release(bm, other)
     assert not bm.grow(seq, 16)
     assert seq.block_table == table and bm.num_free_blocks == 1
     assert bm.grow(seq, 12)
@@ -474,13 +492,13 @@ def test_grow_fails_without_change_when_none_free():
 def test_grow_takes_lru_block_and_evicts_its_hash():
     bm = BlockManager(num_blocks=3, block_size=BS)
     a = make_seq(list(range(1, 9)))        # 2 full blocks
-    assert bm.allocate(a)
+    assert admit(bm, a)
     compute_all(bm, a)
     a_table, h_tail = list(a.block_table), a.block_hashes[1]
     tail = a_table[1]
-    bm.free_blocks(a)
+    release(bm, a)
     seq = make_seq([100])
-    assert bm.allocate(seq)                # takes the never-used block first
+    assert admit(bm, seq)                # takes the never-used block first
     assert seq.block_table[0] not in a_table
     assert bm.grow(seq, 5)                 # next LRU free block: a's tail
     assert seq.block_table[1] == tail

@@ -17,16 +17,6 @@ def test_ladder_covers_every_batch_size(max_batch):
         assert 0 <= next(s for s in sizes if s >= batch) - batch <= 15
 
 
-def test_replay_only_for_decode_over_the_cache():
-    graphs = DecodeGraphs.__new__(DecodeGraphs)  # can_run reads only the ladder
-    graphs.sizes = graph_batch_sizes(32)
-    tables = torch.zeros(4, 2, dtype=torch.int32)
-    assert graphs.can_run(Context(decode_only=True, block_tables=tables), 4)
-    assert not graphs.can_run(Context(decode_only=False, block_tables=tables), 4)   # a prefill chunk
-    assert not graphs.can_run(Context(decode_only=True, block_tables=None), 4)      # one-token prompts
-    assert not graphs.can_run(Context(decode_only=True, block_tables=tables), 33)   # above the ladder
-
-
 @pytest.mark.parametrize("max_batch", [1, 8, 37, 512])
 def test_padded_batch_size_is_the_replayed_size(max_batch):
     sizes = graph_batch_sizes(max_batch)
@@ -74,15 +64,15 @@ def test_capture_runs_under_inference_mode_with_the_padded_context(fake_cuda_gra
     graph), and each captured context carries the padded batch and max_model_len, the fields the
     eager path fills too, so attention sizes its split-KV alike in both."""
     model = RecordingModel(8)
-    graphs = DecodeGraphs(model, max_batch=8, max_blocks_per_seq=4, max_model_len=64, hidden_size=8,
-                          dtype=torch.float32, device=torch.device("cpu"))
+    token_table = torch.zeros(9, 64, dtype=torch.int32)
+    block_tables = torch.zeros(9, 4, dtype=torch.int32)
+    graphs = DecodeGraphs(model, token_table, block_tables, block_size=16, scratch_row=8, max_batch=8,
+                          max_model_len=64, hidden_size=8, dtype=torch.float32)
     assert [c[0] for c in model.calls] == [8, 8, 4, 4, 2, 2, 1, 1]            # warm-up + capture, largest first
     for size, inference, padded, max_len, table in model.calls:
         assert inference and padded == size and max_len == 64 and table == (size, 4)
-    # a batch of 3 replays the graph of 4, its padding row cleared
-    context = Context(seq_lens_k=torch.tensor([5, 6, 7], dtype=torch.int32), decode_only=True,
-                      slot_mapping=torch.tensor([4, 5, 6]), block_tables=torch.zeros(3, 1, dtype=torch.int32))
+    # a batch of 3 replays the graph of 4 (the caller pads its rows with the scratch row)
     with torch.inference_mode():
-        out = graphs.run(torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), context)
-    assert FakeGraph.replayed == [graphs.graphs[4]] and out.shape == (3, 8)
-    assert graphs.seq_lens[3] == 0 and graphs.slot_mapping[3] == -1 and (graphs.block_tables[3] == -1).all()
+        out = graphs.replay(torch.tensor([1, 2, 3, 8]), torch.tensor([4, 5, 6, 0]), 4)
+    assert FakeGraph.replayed == [graphs.graphs[4]] and out.shape == (4, 8)
+    assert graphs.inputs[:, :4].tolist() == [[1, 2, 3, 8], [4, 5, 6, 0]]

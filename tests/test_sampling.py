@@ -168,60 +168,46 @@ def test_penalties_match_direct_computation():
     torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_token_history_is_built_incrementally(overlap):
-    """The penalties' inputs, kept on the device and appended to: equal to building them from the
-    token lists every step, across growing sequences, sequences that leave and come back, a row
-    without penalties, and with no token sent twice: each sampled token is written on the device
-    by record(). With overlap the host learns a step's tokens only after the next step's inputs
-    are built (they are pending there)."""
-    from types import SimpleNamespace
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_see_every_token_before_the_one_sampled(model_dir, async_scheduling):
+    """The penalties read each sequence's tokens from the device's token table: the prompt
+    (prefix-cache hits included, which no step computes), and every completion token, the one
+    still in flight under overlap included. Checked against the tokens the host has at the end,
+    under chunked prefill, prefix hits and preemption, with a row without penalties in the batch."""
+    llm = LLM(model_dir, max_model_len=80, num_kvcache_blocks=10, kvcache_block_size=8, max_num_batched_tokens=32,
+              async_scheduling=async_scheduling)
+    seen_by_step = []  # (the sampling sequences, positions sampled, seen, generated) per penalized step
+    inputs_of = llm.scheduler.sampling_inputs
+    penalty_tokens = llm.model_runner._penalty_tokens
+    last = {}
 
-    from nanovllm.layers.sampler import TokenHistory
-    sent = []
+    def record_inputs(step, batch):
+        inputs = inputs_of(step, batch)
+        last["seqs"], last["positions"] = list(step.sampling), inputs.positions.tolist()
+        return inputs
 
-    def to_device(values, dtype):
-        sent.append(values.numel())
-        return values.to(dtype)
-
-    history = TokenHistory(max_rows=3, max_len=16, to_device=to_device)
-    seqs = [SimpleNamespace(seq_id=i, token_ids=list(range(10 * i, 10 * i + 3 + i)), num_prompt_tokens=2 + i,
-                            num_pending=0, sampling_params=SimpleNamespace(has_penalties=i != 3)) for i in range(4)]
-    for seq in seqs:
-        seq.pending = []  # tokens sampled on the "device", not yet appended
-
-    def check(batch):
-        seen, generated = history.inputs(batch, vocab_size=99)
-        for row, seq in enumerate(batch):
-            full = seq.token_ids + seq.pending if seq.sampling_params.has_penalties else []
-            assert [t for t in seen[row].tolist() if t != 99] == full
-            assert [t for t in generated[row].tolist() if t != 99] == full[seq.num_prompt_tokens:]
-
-    for step in range(5):
-        for seq in seqs:
-            seq.num_tokens = len(seq.token_ids) + seq.num_pending
-        sent.clear()
-        batch = seqs if step != 2 else [seqs[2], seqs[3], seqs[0]]  # seqs[1] leaves for a step
-        if step == 3:  # it comes back: its pending token reached the host meanwhile
-            seqs[1].token_ids += seqs[1].pending
-            seqs[1].pending, seqs[1].num_pending, seqs[1].num_tokens = [], 0, len(seqs[1].token_ids)
-        check(batch)
-        if step == 3:  # only seqs[1] is written whole again; the others' tokens are on the device
-            assert sent[0] == 3 * len(seqs[1].token_ids) + 3 * len(batch)
-        elif step > 0:
-            assert sent[0] == 3 * len(batch)
-        sampled = [50 + step + row for row in range(len(batch))]
-        history.record(torch.tensor(sampled))
-        for seq, token in zip(batch, sampled):
-            seq.pending.append(token)
-            seq.num_pending += 1
-        for seq in batch if not overlap else []:  # synchronous: the host reads them at once
-            seq.token_ids += seq.pending
-            seq.pending, seq.num_pending = [], 0
-        if overlap:  # the host reads the step before's tokens now, the last one stays pending
-            for seq in batch:
-                seq.token_ids += seq.pending[:-1]
-                seq.pending, seq.num_pending = seq.pending[-1:], 1
+    def record_penalty_tokens(*args):
+        seen, generated = penalty_tokens(*args)
+        seen_by_step.append((last["seqs"], last["positions"], seen.tolist(), generated.tolist()))
+        return seen, generated
+    llm.scheduler.sampling_inputs = record_inputs
+    llm.model_runner._penalty_tokens = record_penalty_tokens
+    shared = list(range(100, 140))
+    penalized = SamplingParams(temperature=0.9, seed=1, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4)
+    plain = SamplingParams(temperature=0.9, seed=2, max_tokens=20)
+    llm.generate([shared + [1, 2, 3], shared + [4], list(range(200, 230))], [penalized, penalized, plain],
+                 use_tqdm=False)
+    pad = llm.config.hf_config.vocab_size
+    checked = 0
+    for seqs, positions, seen, generated in seen_by_step:
+        for seq, position, seen_row, generated_row in zip(seqs, positions, seen, generated):
+            if not seq.sampling_params.has_penalties:
+                continue
+            assert [t for t in seen_row if t != pad] == seq.token_ids[:position]
+            assert [t for t in generated_row if t != pad] == seq.token_ids[seq.num_prompt_tokens:position]
+            checked += 1
+    stats = llm.stats()
+    assert checked > 30 and stats["num_cached_tokens"] > 0 and stats["num_preemptions"] > 0
 
 
 def test_repetition_penalty_matches_hf(model_dir, llm, prompts):

@@ -658,3 +658,45 @@ def test_engine_on_cpu_with_triton_matches_hf(model_dir, prompts, reference, blo
     outputs = llm.generate(chosen, params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [reference(model_dir, p, 8) for p in chosen]
     assert llm.stats()["num_cached_tokens"] > 0
+
+
+def test_a_decode_graph_computes_what_the_eager_step_does(monkeypatch, model_dir):
+    """What a graph captures (DecodeGraphs.forward: gather the inputs from the token and block
+    tables, then the model), run eagerly over padded static inputs, gives the eager step's hidden
+    states for the real rows. (Capture itself is faked on the CPU: warm-up and capture run eagerly.)"""
+    import contextlib
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.cuda_graphs import DecodeGraphs
+    from nanovllm.utils.context import forward_context
+
+    class NoGraph:
+        def pool(self):
+            return None
+    if DEVICE == "cpu":
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", NoGraph)
+        monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    llm = LLM(model_dir, max_model_len=64, max_num_seqs=8, attention_backend="triton", kvcache_block_size=16,
+              device=DEVICE, dtype="float32", enforce_eager=True)
+    runner = llm.model_runner
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], list(range(10, 30))):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    step = llm.scheduler.schedule()
+    batch = step.batch()
+    assert (batch.num_new == 1).all()  # a decode step
+    with torch.inference_mode():
+        inputs = runner.prepare(batch)
+        with forward_context(inputs.context):
+            eager = runner.model(inputs.input_ids, inputs.positions)
+        graphs = DecodeGraphs(runner.model, runner.token_table, runner.block_tables, runner.block_size,
+                              runner.scratch_row, max_batch=8, max_model_len=64,
+                              hidden_size=llm.config.hf_config.hidden_size, dtype=torch.float32)
+        size = padded_batch_size(len(batch.rows), graphs.sizes)
+        pad = size - len(batch.rows)
+        graphs.inputs[0, :size] = torch.tensor(batch.rows.tolist() + [runner.scratch_row] * pad)
+        graphs.inputs[1, :size] = torch.tensor(batch.starts.tolist() + [0] * pad)
+        graphs.forward(size)
+    torch.testing.assert_close(graphs.output[:len(batch.rows)], eager)

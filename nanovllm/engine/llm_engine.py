@@ -188,7 +188,7 @@ class LLMEngine:
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         self._deliver(updated)
         if self.recorder is not None:
-            self.recorder.step_accounted(done.step, self)
+            self.recorder.step_accounted(done, self)
         return updated
 
     def _launch(self) -> InFlightStep | None:
