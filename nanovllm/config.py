@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.layers.backends import resolve_backend
+from nanovllm.models import resolve_model_class
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 # flash-attn's paged kernels index the KV cache in pages of 256 tokens; other backends take any size,
@@ -86,11 +89,9 @@ class Config:
         # Read once, here, so a broken generation_config.json is a ValueError at start-up.
         self.eos_token_ids = token_id_set(getattr(self.hf_config, "eos_token_id", None), "config.json") | token_id_set(
             read_generation_config(self.model).get("eos_token_id"), GENERATION_CONFIG)
-        from nanovllm.models import resolve_model_class
         # ValueError for an unsupported architecture or option (a sliding window < max_model_len)
         resolve_model_class(self.hf_config, self.max_model_len)
 
-        from nanovllm.layers.backends import resolve_backend
         self.attention_backend = resolve_backend(self.attention_backend, self.device)
         if self.attention_backend == "flash_attn" and self.block_size % FLASH_ATTN_BLOCK_SIZE:
             raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "

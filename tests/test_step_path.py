@@ -130,3 +130,51 @@ def test_a_row_s_scratch_copy_is_the_spare_block(model_dir):
     runner = llm.model_runner
     assert torch.all(runner.block_tables[runner.scratch_row] == llm.stats()["num_blocks"])
     assert runner.kv_cache.shape[2] == llm.stats()["num_blocks"] + 1
+
+
+@pytest.fixture(scope="module")
+def large_vocab_dir(tmp_path_factory):
+    """A tiny model whose vocabulary is larger than the sampler's candidates (NUM_CANDIDATES)."""
+    from nanovllm.utils.tiny_model import build_model
+    return build_model(str(tmp_path_factory.mktemp("vocab2048")), tokenizer=False, vocab_size=2048)
+
+
+def outputs_with_redraws(path, async_scheduling, monkeypatch, force: bool):
+    """generate() with top-k/top-p/min-p over a large vocabulary; force: the candidates vouch
+    for no row, so every sampled token is redrawn the full way when the host reads it."""
+    from nanovllm.layers import sampler as sampler_module
+    real = sampler_module.filter_candidates
+    if force:
+        monkeypatch.setattr(sampler_module, "filter_candidates",
+                            lambda *args: (lambda ids, kept, exact: (ids, kept, exact & False))(*real(*args)))
+    llm = LLM(path, max_model_len=64, async_scheduling=async_scheduling, max_num_batched_tokens=16)
+    corrections, undone = [], []
+    correct = llm.scheduler.correct
+
+    def spy(step, indices, tokens, in_flight):
+        correct(step, indices, tokens, in_flight)
+        corrections.append(len(indices))
+        undone.append(len(in_flight.undone) if in_flight is not None else 0)
+    llm.scheduler.correct = spy
+    params = [SamplingParams(temperature=1.0, top_p=0.8, seed=1, max_tokens=12),
+              SamplingParams(temperature=0.7, top_k=40, min_p=0.02, seed=2, max_tokens=9, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=10)]
+    outputs = llm.generate([list(range(1, 30)), [5, 6, 7], [9] * 20], params, use_tqdm=False)
+    monkeypatch.setattr(sampler_module, "filter_candidates", real)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    return [(o["token_ids"], o["finish_reason"], [sorted(d) for d in o.get("logprobs", [])]) for o in outputs], \
+        sum(corrections), sum(undone)
+
+
+def test_tokens_redrawn_after_the_next_step_read_them_are_corrected_everywhere(large_vocab_dir, monkeypatch):
+    """The sampler flags rows its candidates cannot vouch for and the host redraws them when it
+    reads the tokens: synchronously that is before the next step, overlapped the next step has
+    already decoded the first draw and is undone for those sequences. Either way the outputs are
+    the ones drawn without the flags (every draw exact)."""
+    plain, corrected, _ = outputs_with_redraws(large_vocab_dir, False, monkeypatch, force=False)
+    assert corrected == 0
+    synchronous, corrected, undone = outputs_with_redraws(large_vocab_dir, False, monkeypatch, force=True)
+    assert synchronous == plain and corrected > 10 and undone == 0
+    overlapped, corrected, undone = outputs_with_redraws(large_vocab_dir, True, monkeypatch, force=True)
+    assert overlapped == plain and corrected > 10 and undone > 5

@@ -185,6 +185,9 @@ class LLMEngine:
             assert launched is not None or self.scheduler.is_finished(), "scheduler made no progress"
             return []
         tokens, logprobs = done.sampled.result()
+        if done.sampled.corrected:  # (rare) tokens redrawn after the device's token table had the first draw
+            self.scheduler.correct(done.step, done.sampled.corrected, tokens,
+                                   self.in_flight.step if self.in_flight is not None else None)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         self._deliver(updated)
         if self.recorder is not None:

@@ -11,7 +11,7 @@ from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_in
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
 from nanovllm.utils.loader import load_dummy, load_model
@@ -53,17 +53,21 @@ class SampledTokens:
     queued behind the step on the device, into pinned memory, and result() waits for them."""
 
     def __init__(self, tokens: torch.Tensor | None = None, logprobs: tuple | None = None,
-                 num_logprobs: list[int | None] | None = None):
+                 num_logprobs: list[int | None] | None = None, redo: Redo | None = None):
         self.num_logprobs = num_logprobs  # per sampling row: its SamplingParams.logprobs
+        self.redo = redo
+        self.corrected: list[int] = []  # result(): the sampling rows redrawn there (see Redo)
         self.event = None
         self.wait_s = 0.0  # how long result() waited for the device
+        redo_mask = redo.mask if redo is not None else None
         if tokens is not None and tokens.is_cuda:  # (a CUDA->CPU non_blocking copy lands in pinned memory)
             tokens = tokens.to("cpu", non_blocking=True)
             logprobs = tuple(t.to("cpu", non_blocking=True) if t is not None else None
                              for t in logprobs) if logprobs is not None else None
+            redo_mask = redo_mask.to("cpu", non_blocking=True) if redo_mask is not None else None
             self.event = torch.cuda.Event()
             self.event.record()
-        self.tokens, self.logprobs = tokens, logprobs
+        self.tokens, self.logprobs, self.redo_mask = tokens, logprobs, redo_mask
 
     def result(self) -> tuple[list[int], list[dict] | None]:
         """The sampled token per sampling row, and (when any asked) per-row logprob dicts
@@ -75,9 +79,11 @@ class SampledTokens:
             self.event.synchronize()
             self.wait_s = perf_counter() - start
         tokens = self.tokens.tolist()
+        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs or (None,) * 3)
+        if self.redo_mask is not None and self.redo_mask.any():
+            self._redraw(tokens, chosen)
         if self.logprobs is None:
             return tokens, None
-        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs)
         dicts = []
         for i, k in enumerate(self.num_logprobs):
             if k is None:
@@ -87,6 +93,19 @@ class SampledTokens:
             d[tokens[i]] = chosen[i]
             dicts.append(d)
         return tokens, dicts
+
+    def _redraw(self, tokens: list[int], chosen: list[float] | None):
+        """Draw the flagged rows again the full way (rare; a host sync is fine here), into tokens
+        and the chosen tokens' logprobs."""
+        redo = self.redo
+        rows = torch.from_numpy(np.flatnonzero(self.redo_mask.numpy())).to(redo.probs.device)
+        redrawn = redo.redraw(rows)
+        if chosen is not None:
+            for i, value in zip(rows.tolist(), redo.raw_logprobs[rows, redrawn].tolist()):
+                chosen[i] = value
+        for i, token in zip(rows.tolist(), redrawn.tolist()):
+            tokens[i] = token
+        self.corrected = rows.tolist()
 
 
 @dataclass
@@ -262,9 +281,13 @@ class ModelRunner:
             return
         ones = torch.ones(rows, device=self.device)
         zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.sampler(logits, SamplingBatch(temperatures=ones, seeds=zeros, positions=zeros, top_ks=zeros - 1,
-                                           top_ps=ones, min_ps=ones * 0, num_logprobs=1))
-        del logits
+        batch = SamplingBatch(temperatures=ones, seeds=zeros, positions=zeros, top_ks=zeros - 1, top_ps=ones,
+                              min_ps=ones * 0, num_logprobs=1)
+        # twice, the first one's result held: a step's Redo keeps its probabilities until the next
+        # step has sampled (SampledTokens.result), so two steps' worth can be alive at once
+        kept = self.sampler(logits, batch)
+        self.sampler(logits, batch)
+        del logits, kept
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -282,9 +305,9 @@ class ModelRunner:
             raise
         out = SampledTokens()
         if logits is not None:
-            tokens, logprobs = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
+            tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)
-            out = SampledTokens(tokens, logprobs, sampling.num_logprobs)
+            out = SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
         if self.recorder is not None:
             self.recorder.device_step_ended(batch)
         return out
@@ -352,15 +375,16 @@ class ModelRunner:
             parts["cu_k"] = cu_k
         if batch.new_blocks:
             parts["block_rows"], parts["block_cols"], parts["block_ids"] = flatten_writes(batch.new_blocks)
-        if batch.new_tokens:
+        if batch.new_tokens or batch.fixed_tokens:
             parts["token_rows"], parts["token_cols"], parts["token_ids"] = flatten_writes(
-                [(row, 0, tokens) for row, tokens in batch.new_tokens])
+                [(row, 0, tokens) for row, tokens in batch.new_tokens]
+                + [(row, position, [token]) for row, position, token in batch.fixed_tokens])
         if self.recorder is not None:
             self.recorder.device_step_started()
         d = self.upload(parts)
         if batch.new_blocks:
             self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
-        if batch.new_tokens:
+        if batch.new_tokens or batch.fixed_tokens:
             self.token_table[d["token_rows"], d["token_cols"]] = d["token_ids"].int()
         max_len_k = int(lens_k.max())
         # some sequence attends to cached K/V: pass block tables (else attention reads the new K/V)

@@ -29,13 +29,16 @@ class ScheduledStep:
     new_tokens: list[tuple[int, list[int]]] = field(default_factory=list)       # (row, token ids from 0)
     forking: list[Sequence] = field(default_factory=list)  # first samples whose prompt this step computes
     filled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens) with blocks to publish
+    fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (row, position, token): see correct()
+    undone: set[Sequence] = field(default_factory=set)  # sequences whose token here correct() dropped
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
         num_seqs = len(self.seqs)
         samples = np.ones(num_seqs, dtype=bool) if len(self.sampling) == num_seqs else np.array(self.samples)
         return StepBatch(np.fromiter(self.rows, np.int32, num_seqs), np.fromiter(self.starts, np.int32, num_seqs),
-                         np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens)
+                         np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
+                         self.fixed_tokens)
 
 
 class Scheduler:
@@ -60,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
 
     def add(self, seq: Sequence):
         """Queue a request: its first sample, with the other samples riding on it (its forks)."""
@@ -82,6 +86,9 @@ class Scheduler:
         and each sequence that samples counts the token it will sample in num_tokens.
         """
         step = ScheduledStep()
+        step.fixed_tokens = [(seq.row, position, token) for seq, position, token in self.token_fixes
+                             if seq.status is SequenceStatus.RUNNING]  # (else its row is gone: it re-uploads)
+        self.token_fixes = []
         num_preemptions = self.num_preemptions
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
@@ -206,19 +213,37 @@ class Scheduler:
         """Account for a launched step whose sampled tokens are in (one per sampling sequence, in
         order; `logprobs` their logprob dicts): append them, and finish the sequences that stop.
         Returns the sequences that got a token."""
-        seqs, tokens, logprobs = self._drop_finished(step.sampling, tokens, logprobs)
+        seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         self._append(seqs, tokens, logprobs)
         self._finish_stopped(seqs, tokens)
         return seqs
 
+    def correct(self, step: ScheduledStep, indices: list[int], tokens: list[int], in_flight: ScheduledStep | None):
+        """The sampler redrew these sampling rows of `step` (Redo) after writing their first draw
+        into the device's token table: the next step writes the right token there, and a step in
+        flight that already decoded the first draw is undone for them (its token is dropped, and
+        they compute that position again). Called before complete(step) with the final tokens."""
+        for i in indices:
+            seq = step.sampling[i]
+            if seq.status is not SequenceStatus.RUNNING or seq in step.undone:
+                continue  # its token is dropped (finished or undone), or it was preempted (it uploads its tokens again)
+            j = step.seqs.index(seq)
+            position = step.starts[j] + step.num_new[j]
+            self.token_fixes.append((seq, position, tokens[i]))
+            if in_flight is not None and seq in in_flight.seqs:  # it decoded `position` from the first draw
+                seq.num_computed_tokens = position
+                seq.num_tokens -= 1
+                in_flight.undone.add(seq)
+
     @staticmethod
-    def _drop_finished(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None):
+    def _drop_finished(step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None):
         """With overlap scheduling the next step is already running when this one is accounted
         for, so a sequence that finished meanwhile (a stop, an abort) ran once more there: that
-        token is dropped here."""
-        if FINISHED not in map(STATUS_OF, seqs):  # (most steps)
+        token is dropped here, as is one that correct() undid."""
+        seqs = step.sampling
+        if FINISHED not in map(STATUS_OF, seqs) and not step.undone:  # (most steps)
             return seqs, tokens, logprobs
-        keep = [i for i, seq in enumerate(seqs) if seq.status is not FINISHED]
+        keep = [i for i, seq in enumerate(seqs) if seq.status is not FINISHED and seq not in step.undone]
         return ([seqs[i] for i in keep], [tokens[i] for i in keep],
                 [logprobs[i] for i in keep] if logprobs is not None else None)
 

@@ -12,8 +12,8 @@ class StepBatch:
     it: every rank gathers them from its own token table [rows, max_model_len] by (row, position),
     where each step's sampler writes the tokens it samples (so a decode step's inputs are on the
     device before the host has read them) and `new_tokens` writes the tokens of a sequence new in
-    its row. The block tables also live on the device, one row each; `new_blocks` holds the
-    entries this step adds.
+    its row (`fixed_tokens`, the rare token the sampler redrew after it was written). The block
+    tables also live on the device, one row each; `new_blocks` holds the entries this step adds.
     """
     rows: np.ndarray       # [B] int32 (int32 throughout: the message to the other ranks stays small)
     starts: np.ndarray     # [B] int32
@@ -21,6 +21,7 @@ class StepBatch:
     samples: np.ndarray    # [B] bool
     new_blocks: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, offset, block ids)
     new_tokens: list[tuple[int, list[int]]] = field(default_factory=list)       # (row, its tokens from position 0)
+    fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)    # (row, position, token): redrawn (Redo)
 
     @property
     def num_seqs(self) -> int:

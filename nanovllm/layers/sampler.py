@@ -51,7 +51,7 @@ def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.T
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     drop = (top_ks[:, None] > 0) & (rank >= top_ks[:, None])
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    drop |= mass_before >= top_ps[:, None]
+    drop |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1)  # (top_p 1: off, whatever the rounding)
     return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
@@ -64,10 +64,13 @@ def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 # while kept sets almost always lie within the 1024 most likely tokens (top_k <= 1023, or top_p /
 # min_p reached within them), which torch.topk finds far more cheaply. Other rows fall back.
 NUM_CANDIDATES = 1024
-# Margin on "the candidates' mass reaches top_p": a token past the candidates has at least the last
-# candidate's mass before it as long as the cumulative sum never decreases. On the CPU it cannot
-# (float64 accumulation, one term after another); CUDA's tree-shaped scan might dip by an ulp or two
-# of float32 (6e-8 near 1), far below this margin.
+# Margin on comparisons with top_p. The candidates' mass before each rank and the full sort's are
+# two float32 cumulative sums over the same leading values, bit-equal on the CPU (one term after
+# another) but not on CUDA, whose scans group the additions by the row's length: they may differ
+# by a few ulps (1.2e-7 near 1). So a row is vouched for only if no candidate's mass before it
+# lies within this margin of top_p (a token there could be kept by one and dropped by the other),
+# and a token past the candidates counts as dropped only if the candidates' mass passes top_p by
+# it. Rows that fail (about 2 * margin / the probability of the tokens at the cut) are redrawn.
 TOP_P_MARGIN = 1e-6
 # Our float64 cumulative sum over the kept candidates and sample_from's over the whole vocabulary
 # may group the terms differently (on CUDA); each is within V * 2**-53 of the exact sum (2e-11 of
@@ -97,9 +100,11 @@ def filter_candidates(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: 
     tail_dropped = last == 0
     if top_ks is not None:
         drop |= (top_ks[:, None] > 0) & (torch.arange(k, device=probs.device) >= top_ks[:, None])
-        mass_before = vals.cumsum(-1) - vals  # bit-equal to the full sort's first K ranks
-        drop |= mass_before >= top_ps[:, None]
+        mass_before = vals.cumsum(-1) - vals  # the full sort's first K ranks', up to a few ulps (TOP_P_MARGIN)
+        drop |= (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1)
         tail_dropped |= ((top_ks > 0) & (top_ks <= k)) | (mass_before[:, -1] >= top_ps + TOP_P_MARGIN)
+        near_the_cut = ((mass_before - top_ps[:, None]).abs() < TOP_P_MARGIN).any(-1) & (top_ps < 1)
+        tail_dropped &= ~near_the_cut  # (not vouched for: see TOP_P_MARGIN)
     if min_ps is not None:
         threshold = min_ps * vals[:, 0]  # the most likely token survives top-k/top-p: it is the max
         drop |= vals < threshold[:, None]
@@ -109,27 +114,25 @@ def filter_candidates(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: 
     return ids, vals.masked_fill(~kept, 0.0), tail_dropped & ~kept[:, -1] & ~split_tie
 
 
-def sample_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | None,
-                    top_ps: torch.Tensor | None, min_ps: torch.Tensor | None,
-                    active: torch.Tensor | None = None) -> torch.Tensor:
-    """sample_from(apply_min_p(apply_top_k_top_p(probs, ...), ...), uniform), token for token, without
-    sorting the vocabulary: sample among filter_candidates' kept tokens, and redo the rows it cannot
-    vouch for the full way. active [B] bool (default all): rows whose token is used; others never
-    fall back. probs [B, V], uniform [B] -> [B] int64.
+def full_way(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
+             min_ps: torch.Tensor | None) -> torch.Tensor:
+    """The reference draw: the full-sort filters, then sample_from. probs [B, V], others [B]."""
+    if top_ks is not None:
+        probs = apply_top_k_top_p(probs, top_ks, top_ps)
+    if min_ps is not None:
+        probs = apply_min_p(probs, min_ps)
+    return sample_from(probs, uniform)
 
-    One host sync, to learn which rows to redo: without it (fixed shapes) every row would have to be
-    sorted whenever any might need it, which is the cost this avoids. It comes after the common path
-    is queued, when the caller is about to read the tokens anyway; a small vocabulary needs none."""
-    def full_way(p, u, rows):
-        if top_ks is not None:
-            p = apply_top_k_top_p(p, top_ks[rows], top_ps[rows])
-        if min_ps is not None:
-            p = apply_min_p(p, min_ps[rows])
-        return sample_from(p, u)
 
+def draw_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | None,
+                  top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """full_way(...)'s tokens without sorting the vocabulary, and without a host sync: sample
+    among filter_candidates' kept tokens. Returns (tokens [B], redo [B] bool or None): where redo
+    is set the candidates cannot vouch for the token, which must be drawn again the full way (a
+    small vocabulary takes the full way at once: redo None). probs [B, V], uniform [B]."""
     k = NUM_CANDIDATES
-    if probs.shape[-1] <= k:  # a small vocabulary: the full sort is cheap and needs no sync
-        return full_way(probs, uniform, slice(None))
+    if probs.shape[-1] <= k:
+        return full_way(probs, uniform, top_ks, top_ps, min_ps), None
     ids, kept, exact = filter_candidates(probs, top_ks, top_ps, min_ps)
     # sample_from accumulates in vocabulary order; dropped tokens add 0 to the sum
     ids, order = ids.sort(-1)
@@ -139,12 +142,45 @@ def sample_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Te
     pos = torch.searchsorted(cdf, target).clamp_(max=k - 1)              # first cdf >= target
     below = torch.where(pos > 0, cdf.gather(-1, (pos - 1).clamp(min=0)), 0.0)
     exact &= ((target - below > tolerance) & (cdf.gather(-1, pos) - target > tolerance))[:, 0]
-    tokens = ids.gather(-1, pos)[:, 0]
-    redo = ~exact if active is None else ~exact & active
-    rows = redo.nonzero()[:, 0]  # the host sync
-    if rows.numel():
-        tokens[rows] = full_way(probs[rows], uniform[rows], rows)
+    return ids.gather(-1, pos)[:, 0], ~exact
+
+
+def sample_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | None,
+                    top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
+    """full_way(...)'s tokens, token for token: draw_filtered, then the rows it cannot vouch for
+    redrawn the full way at once (a host sync to learn which; the engine defers it, see Redo)."""
+    tokens, redo = draw_filtered(probs, uniform, top_ks, top_ps, min_ps)
+    if redo is not None:
+        Redo(redo, probs, uniform, top_ks, top_ps, min_ps).redraw_into(tokens)
     return tokens
+
+
+@dataclass
+class Redo:
+    """Rows of a step whose draw_filtered token must be drawn again the full way. Learning which
+    rows takes a host sync, so the sampler only flags them on the device; the model runner redraws
+    them when the host reads the step's tokens anyway (SampledTokens.result()). With overlap
+    scheduling the next step has read the flagged tokens by then: the engine redoes that step for
+    those sequences (Scheduler.correct). Flagged rows are rare: see filter_candidates."""
+    mask: torch.Tensor                # [B] bool
+    probs: torch.Tensor               # [B, V] what the row was drawn from, kept until then
+    uniform: torch.Tensor             # [B]
+    top_ks: torch.Tensor | None
+    top_ps: torch.Tensor | None
+    min_ps: torch.Tensor | None
+    raw_logprobs: torch.Tensor | None = None  # [B, V], when logprobs were asked: the redrawn tokens' own
+
+    def redraw(self, rows: torch.Tensor) -> torch.Tensor:
+        """The full-way tokens of these rows ([R] indices) -> [R]."""
+        pick = lambda t: t[rows] if t is not None else None  # noqa: E731
+        return full_way(self.probs[rows], self.uniform[rows], pick(self.top_ks), pick(self.top_ps), pick(self.min_ps))
+
+    def redraw_into(self, tokens: torch.Tensor) -> list[int]:
+        """Redraw the flagged rows into tokens ([B], on the device); returns their indices."""
+        rows = self.mask.nonzero()[:, 0]  # the host sync
+        if rows.numel():
+            tokens[rows] = self.redraw(rows)
+        return rows.tolist()
 
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor, presence: torch.Tensor,
@@ -194,11 +230,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch):
-        """logits [B, V] -> (token ids [B], logprobs or None). Greedy rows (temperature 0) take the
-        argmax of the (penalized) logits; logprobs, when asked, come from the raw logits:
-        (chosen token's [B], top-k values [B, k], top-k ids [B, k])."""
+        """logits [B, V] -> (token ids [B], logprobs or None, Redo or None), with no host sync.
+        Greedy rows (temperature 0) take the argmax of the (penalized) logits; logprobs, when
+        asked, come from the raw logits: (chosen token's [B], top-k values [B, k], top-k ids
+        [B, k]). With top-k, top-p or min-p over a large vocabulary a few rows may be flagged to be
+        redrawn the full way (Redo): their tokens here are not final until then."""
         logits = logits.float()
-        logprobs = None
+        logprobs = redo = raw = None
         if batch.num_logprobs is not None:
             raw = torch.log_softmax(logits, -1)
         if batch.penalties is not None:
@@ -213,10 +251,12 @@ class Sampler(nn.Module):
             if batch.top_ks is None and batch.min_ps is None:
                 sampled = sample_from(probs, uniform)
             else:
-                sampled = sample_filtered(probs, uniform, batch.top_ks, batch.top_ps, batch.min_ps, active=sampling)
+                sampled, flagged = draw_filtered(probs, uniform, batch.top_ks, batch.top_ps, batch.min_ps)
+                if flagged is not None:  # (greedy rows never need it)
+                    redo = Redo(flagged & sampling, probs, uniform, batch.top_ks, batch.top_ps, batch.min_ps, raw)
             tokens = torch.where(sampling, sampled, tokens)
         if batch.num_logprobs is not None:
             top = raw.topk(batch.num_logprobs, -1) if batch.num_logprobs > 0 else None
             logprobs = (raw.gather(-1, tokens[:, None])[:, 0], top.values if top else None,
                         top.indices if top else None)
-        return tokens, logprobs
+        return tokens, logprobs, redo

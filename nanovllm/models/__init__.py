@@ -1,15 +1,14 @@
 """Model registry: config.json's architectures[0] -> the class that implements it."""
 from transformers import PretrainedConfig
 
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mistral import MistralForCausalLM
+from nanovllm.models.mixtral import MixtralForCausalLM
+from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
-def _registry() -> dict:
-    from nanovllm.models.llama import LlamaForCausalLM
-    from nanovllm.models.mistral import MistralForCausalLM
-    from nanovllm.models.mixtral import MixtralForCausalLM
-    from nanovllm.models.qwen2 import Qwen2ForCausalLM
-    from nanovllm.models.qwen3 import Qwen3ForCausalLM
-    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
-    return {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
+REGISTRY = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
                                           Qwen3ForCausalLM, Qwen3MoeForCausalLM)}
 
 
@@ -20,7 +19,7 @@ def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None =
     architectures = getattr(hf_config, "architectures", None) or []
     if isinstance(architectures, str):  # a hand-written config.json may give one name, not a list
         architectures = [architectures]
-    registry = _registry()
+    registry = REGISTRY
     if not architectures or architectures[0] not in registry:
         name = architectures[0] if architectures else None
         raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(registry)}")

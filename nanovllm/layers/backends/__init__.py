@@ -14,6 +14,7 @@ torch       plain PyTorch, any device: the reference the others are tested again
 """
 import importlib.util
 
+from nanovllm.layers.backends.torch_ref import TorchBackend
 from nanovllm.utils.triton_mode import import_kernels
 
 BACKENDS = ("flash_attn", "triton", "torch")
@@ -44,12 +45,11 @@ def resolve_backend(name: str | None, device: str) -> str:
 
 
 def get_backend(name: str, device: str):
-    if name == "flash_attn":
+    if name == "flash_attn":  # (imported here: flash-attn is an optional package)
         from nanovllm.layers.backends.flash_attn import FlashAttnBackend
         return FlashAttnBackend
     if name == "triton":
         # Interpreted on CPU, compiled on CUDA; Triton has one mode per process, so an engine that
         # needs the other one than an earlier engine of the process is refused (utils/triton_mode.py)
         return import_kernels("nanovllm.layers.backends.triton_attn", device, "attention_backend='triton'").TritonBackend
-    from nanovllm.layers.backends.torch_ref import TorchBackend
     return TorchBackend
