@@ -25,7 +25,9 @@ class SamplingParams:
     logprobs: also return, per generated token, the log-probabilities of the chosen token and of
         the `logprobs` most likely ones, from the model's raw distribution (None: off).
     seed: makes this request's samples reproducible whatever else shares its batch (None: drawn
-        from the engine's RNG).
+        from the engine's RNG). On CPU in float32 that holds exactly; on a GPU the logits
+        themselves depend on the batch (cuBLAS picks its kernels by the number of rows, and CUDA
+        graphs pad the batch), so a token whose probability sits at a draw's boundary may differ.
     """
     temperature: float = 1.0
     top_k: int = -1

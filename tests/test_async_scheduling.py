@@ -7,6 +7,8 @@ outputs must be identical with it on and off, for every feature that touches a s
 """
 import pytest
 
+from test_golden_outputs import OPTIONS as GOLDEN_OPTIONS, PARAMS as GOLDEN_PARAMS, prompts as golden_prompts
+
 from nanovllm import LLM, SamplingParams
 
 MAX_MODEL_LEN = 160
@@ -46,27 +48,15 @@ def test_async_scheduling_must_be_a_bool(model_dir):
         LLM(model_dir, async_scheduling=1)
 
 
-WORKLOAD = [
-    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=17),
-    SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=30, n=2, logprobs=3),
-    SamplingParams(temperature=0.7, seed=3, max_tokens=20, repetition_penalty=1.3, presence_penalty=0.5,
-                   frequency_penalty=0.2, min_tokens=5),
-    SamplingParams(temperature=0, max_tokens=40, stop=["e", "a "], include_stop_str_in_output=True),
-    SamplingParams(temperature=1.0, seed=4, max_tokens=25, stop_token_ids=[3, 5, 7, 11, 13, 17, 19, 23]),
-]
+# The golden workload (every sampling control, n, logprobs, stops) and its configurations, on
+# this file's model: there they are checked against recorded outputs, here on against off.
+WORKLOAD = [SamplingParams(**p) for p in GOLDEN_PARAMS]
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"num_kvcache_blocks": 14, "kvcache_block_size": 16},  # preemption: 8 requests take turns
-    {"max_num_batched_tokens": 40},                         # chunked prefill
-    {"max_num_seqs": 3, "kvcache_block_size": 4},           # few rows, blocks filling every 4 tokens
-], ids=["plain", "preemption", "chunked", "few_seqs"])
+@pytest.mark.parametrize("options", list(GOLDEN_OPTIONS.values()), ids=list(GOLDEN_OPTIONS))
 def test_outputs_identical_on_and_off(model_dir, options):
-    shared = list(range(40, 90))  # prefix caching: the prompts share 50 tokens
-    prompts = [shared + [i] * (i + 1) for i in range(len(WORKLOAD))] + ["Hello world", "a b c d e"]
-    params = WORKLOAD + WORKLOAD[:2]
+    prompts = golden_prompts()  # they share 50 tokens: prefix caching
+    params = WORKLOAD + WORKLOAD[1:3]
     overlapped, synchronous = outputs_both_ways(model_dir, prompts, params, **options)
     assert comparable(overlapped) == comparable(synchronous)
     assert_same_logprobs(overlapped, synchronous)
@@ -74,10 +64,8 @@ def test_outputs_identical_on_and_off(model_dir, options):
 
 def test_preemption_happens_in_the_preemption_case(model_dir):
     """(The case above is only worth its name if the budget does force preemption.)"""
-    shared = list(range(40, 90))
-    prompts = [shared + [i] * (i + 1) for i in range(len(WORKLOAD))] + ["Hello world", "a b c d e"]
-    llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=14, kvcache_block_size=16)
-    llm.generate(prompts, WORKLOAD + WORKLOAD[:2], use_tqdm=False)
+    llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, **GOLDEN_OPTIONS["preemption"])
+    llm.generate(golden_prompts(), WORKLOAD + WORKLOAD[1:3], use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
 
 

@@ -109,6 +109,17 @@ class SampledTokens:
 
 
 @dataclass
+class StepLayout:
+    """A step's host arrays, as ModelRunner._layout() builds them."""
+    parts: dict[str, np.ndarray]  # what goes to the device: rows, positions [T]; cu_q, lens_k, ...
+    cu_q: np.ndarray              # [B+1] prefix sums of the new tokens
+    lens_k: np.ndarray            # [B] context length of each sequence
+    decode_only: bool             # every sequence computes one token
+    all_sample: bool              # ... and samples it
+    graph_size: int               # the CUDA graph it replays at (rows, positions padded to it); 0: eager
+
+
+@dataclass
 class StepInputs:
     """One step laid out on the device: the row and position of each new token, back to back."""
     rows: torch.Tensor        # [T] int64
@@ -346,6 +357,24 @@ class ModelRunner:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
         attention metadata; write the step's block-table entries and new rows' tokens on the way.
         Everything goes to the device in one copy."""
+        layout = self._layout(batch)
+        if self.recorder is not None:
+            self.recorder.device_step_started()
+        d = self.upload({**layout.parts, **self._table_writes(batch)})
+        if "block_ids" in d:
+            self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
+        if "token_ids" in d:
+            self.token_table[d["token_rows"], d["token_cols"]] = d["token_ids"].int()
+        context = self._context(batch, layout, d)
+        input_ids = None
+        if not layout.graph_size:  # (a graph gathers its own)
+            input_ids, context.slot_mapping = gather_inputs(self.token_table, self.block_tables, d["rows"],
+                                                            d["positions"], self.block_size)
+        return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size)
+
+    def _layout(self, batch: StepBatch) -> "StepLayout":
+        """The host's part of prepare(): the row and position of every new token, and the
+        per-sequence arrays attention needs."""
         num_seqs = batch.num_seqs
         starts, num_new = batch.starts.astype(np.int64), batch.num_new.astype(np.int64)  # [B]
         cu_q = np.zeros(num_seqs + 1, dtype=np.int64)                                # [B+1]
@@ -365,48 +394,44 @@ class ModelRunner:
             positions = np.concatenate([positions, np.zeros(graph_size - num_seqs, dtype=np.int64)])
         lens_k = starts + num_new                                                    # [B]
         parts = {"rows": rows, "positions": positions, "cu_q": cu_q, "lens_k": lens_k}
-        all_decode_and_sample = decode_only and batch.samples.all()
-        if not all_decode_and_sample:
+        all_sample = decode_only and batch.samples.all()  # (then the logits rows are 0..B-1)
+        if not all_sample:
             parts["logits_indices"] = (cu_q[1:] - 1)[batch.samples]
         if not decode_only:
             parts["step_rows"] = batch.rows
-            cu_k = np.zeros(num_seqs + 1, dtype=np.int64)
-            np.cumsum(lens_k, out=cu_k[1:])
-            parts["cu_k"] = cu_k
+            parts["cu_k"] = np.concatenate([[0], np.cumsum(lens_k)])
+        return StepLayout(parts, cu_q, lens_k, decode_only, all_sample, graph_size)
+
+    @staticmethod
+    def _table_writes(batch: StepBatch) -> dict[str, np.ndarray]:
+        """The step's writes into the block tables and the token table, as flat (row, column, value)."""
+        parts = {}
         if batch.new_blocks:
             parts["block_rows"], parts["block_cols"], parts["block_ids"] = flatten_writes(batch.new_blocks)
         if batch.new_tokens or batch.fixed_tokens:
             parts["token_rows"], parts["token_cols"], parts["token_ids"] = flatten_writes(
                 [(row, 0, tokens) for row, tokens in batch.new_tokens]
                 + [(row, position, [token]) for row, position, token in batch.fixed_tokens])
-        if self.recorder is not None:
-            self.recorder.device_step_started()
-        d = self.upload(parts)
-        if batch.new_blocks:
-            self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
-        if batch.new_tokens or batch.fixed_tokens:
-            self.token_table[d["token_rows"], d["token_cols"]] = d["token_ids"].int()
+        return parts
+
+    def _context(self, batch: StepBatch, layout: "StepLayout", d: dict[str, torch.Tensor]) -> Context:
+        """The attention metadata of the step (slot_mapping is the caller's)."""
+        lens_k, decode_only = layout.lens_k, layout.decode_only
         max_len_k = int(lens_k.max())
         # some sequence attends to cached K/V: pass block tables (else attention reads the new K/V)
-        has_context = max_len_k > 1 if decode_only else bool(starts.any())
+        has_context = max_len_k > 1 if decode_only else bool(batch.starts.any())
         width = -(-max_len_k // self.block_size) if has_context else 0
         step_rows = d["rows"] if decode_only else d["step_rows"]
-        # [S] the index of each sampling row's last token: every token in a decode step where all sample
-        logits_indices = self.arange_d[:num_tokens] if all_decode_and_sample else d["logits_indices"]
-        context = Context(
+        return Context(
             cu_seqlens_q=d["cu_q"].int(), cu_seqlens_k=d["cu_k"].int() if "cu_k" in d else None,
-            seq_lens_k=d["lens_k"].int(), max_seqlen_q=1 if decode_only else int(num_new.max()),
+            seq_lens_k=d["lens_k"].int(), max_seqlen_q=1 if decode_only else int(batch.num_new.max()),
             max_seqlen_k=max_len_k,
-            block_tables=self.block_tables[step_rows, :width] if has_context and not graph_size else None,
-            logits_indices=logits_indices, decode_only=decode_only,
-            cu_seqlens_q_cpu=cu_q.tolist(), seq_lens_k_cpu=lens_k.tolist(),
-            padded_batch=padded_batch_size(num_seqs, self.graph_sizes) if decode_only else 0,
+            block_tables=self.block_tables[step_rows, :width] if has_context and not layout.graph_size else None,
+            # [S] the index of each sampling row's last token
+            logits_indices=self.arange_d[:batch.num_seqs] if layout.all_sample else d["logits_indices"],
+            decode_only=decode_only, cu_seqlens_q_cpu=layout.cu_q.tolist(), seq_lens_k_cpu=lens_k.tolist(),
+            padded_batch=padded_batch_size(batch.num_seqs, self.graph_sizes) if decode_only else 0,
             max_model_len=self.config.max_model_len)
-        input_ids = None
-        if not graph_size:
-            input_ids, context.slot_mapping = gather_inputs(self.token_table, self.block_tables, d["rows"],
-                                                            d["positions"], self.block_size)
-        return StepInputs(d["rows"], d["positions"], context, input_ids, graph_size)
 
     def upload(self, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Named int64 host arrays on the device, in one copy of one buffer (each part aligned)."""

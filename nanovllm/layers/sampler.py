@@ -4,7 +4,8 @@ reproducible per request, with optional log-probabilities. No Python loop over r
 Sampling draws one uniform number u per row and takes the first token whose cumulative
 probability reaches u (inverse transform sampling: one pass over the vocabulary). u is not drawn
 from a stateful generator but computed by hashing (request seed, position), so a request's
-samples depend on its own seed alone, whatever else shares the batch, and on no Python loop.
+samples depend on its own seed and logits alone, whatever else shares the batch, and on no Python
+loop. (On a GPU the logits themselves may differ in their last bits with the batch's size.)
 """
 from dataclasses import dataclass
 
