@@ -678,7 +678,7 @@ def test_a_decode_graph_computes_what_the_eager_step_does(monkeypatch, model_dir
         monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     llm = LLM(model_dir, max_model_len=64, max_num_seqs=8, attention_backend="triton", kvcache_block_size=16,
-              device=DEVICE, dtype="float32", enforce_eager=True)
+              device=DEVICE, dtype="float32", enforce_eager=True, num_kvcache_blocks=32)
     runner = llm.model_runner
     for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], list(range(10, 30))):
         llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
