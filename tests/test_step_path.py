@@ -140,13 +140,16 @@ def large_vocab_dir(tmp_path_factory):
 
 
 def outputs_with_redraws(path, async_scheduling, monkeypatch, force: bool):
-    """generate() with top-k/top-p/min-p over a large vocabulary; force: the candidates vouch
-    for no row, so every sampled token is redrawn the full way when the host reads it."""
+    """generate() with top-k/top-p/min-p over a large vocabulary; force: every candidate draw is
+    flagged, and made wrong (the next token id), so the outputs are right only if each flagged
+    token is redrawn the full way when the host reads it and corrected wherever it was used."""
     from nanovllm.layers import sampler as sampler_module
-    real = sampler_module.filter_candidates
+    real = sampler_module.draw_filtered
     if force:
-        monkeypatch.setattr(sampler_module, "filter_candidates",
-                            lambda *args: (lambda ids, kept, exact: (ids, kept, exact & False))(*real(*args)))
+        def wrong_and_flagged(probs, *args):
+            tokens, _ = real(probs, *args)
+            return (tokens + 1) % probs.shape[-1], torch.ones_like(tokens, dtype=torch.bool)
+        monkeypatch.setattr(sampler_module, "draw_filtered", wrong_and_flagged)
     llm = LLM(path, max_model_len=64, async_scheduling=async_scheduling, max_num_batched_tokens=16)
     corrections, undone = [], []
     correct = llm.scheduler.correct
@@ -160,7 +163,7 @@ def outputs_with_redraws(path, async_scheduling, monkeypatch, force: bool):
               SamplingParams(temperature=0.7, top_k=40, min_p=0.02, seed=2, max_tokens=9, logprobs=2),
               SamplingParams(temperature=0, max_tokens=10)]
     outputs = llm.generate([list(range(1, 30)), [5, 6, 7], [9] * 20], params, use_tqdm=False)
-    monkeypatch.setattr(sampler_module, "filter_candidates", real)
+    monkeypatch.setattr(sampler_module, "draw_filtered", real)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
     return [(o["token_ids"], o["finish_reason"], [sorted(d) for d in o.get("logprobs", [])]) for o in outputs], \
@@ -178,3 +181,31 @@ def test_tokens_redrawn_after_the_next_step_read_them_are_corrected_everywhere(l
     assert synchronous == plain and corrected > 10 and undone == 0
     overlapped, corrected, undone = outputs_with_redraws(large_vocab_dir, True, monkeypatch, force=True)
     assert overlapped == plain and corrected > 10 and undone > 5
+
+
+def test_a_sequence_preempted_with_its_last_token_in_flight_finishes_and_leaves_the_queue():
+    """Overlapped: step 2 is planned before step 1 is accounted for, and preempts b, whose step-1
+    token is still in flight; that token is a stop token of b's: accounting for step 1 must finish
+    b and take it out of the waiting queue, not leave it there to be run again."""
+    cfg = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(cfg, BlockManager(3, 4, enable_prefix_caching=False), eos_token_ids=set())
+    a = Sequence([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), seed=0)
+    stop = det_token([5, 6, 7, 8])  # b's first token
+    b = Sequence([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[stop]), seed=0)
+    sched.add(a)
+    sched.add(b)
+    rank = FakeRank()
+    step1 = sched.schedule()
+    tokens1 = rank.run(step1.batch())
+    step2 = sched.schedule()  # a needs a block for position 4 and takes the last; so would b: b is preempted
+    assert sched.num_preemptions == 1 and list(sched.waiting) == [b] and step2.seqs == [a]
+    tokens2 = rank.run(step2.batch())
+    sched.complete(step1, tokens1)
+    assert b.is_finished and (b.finish_reason, b.stop_reason) == ("stop", stop) and b.num_completion_tokens == 1
+    assert not sched.waiting
+    sched.complete(step2, tokens2)
+    while not sched.is_finished():
+        step = sched.schedule()
+        sched.complete(step, rank.run(step.batch()))
+    assert a.num_completion_tokens == 3 and b.num_completion_tokens == 1
+    assert sched.block_manager.num_free_blocks == 3
