@@ -59,7 +59,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self.batch = BatchState(config.max_num_seqs)
+        self.batch_state = BatchState(config.max_num_seqs)  # the running batch's rows
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
@@ -86,9 +86,6 @@ class Scheduler:
         and each sequence that samples counts the token it will sample in num_tokens.
         """
         step = ScheduledStep()
-        step.fixed_tokens = [(seq.row, position, token) for seq, position, token in self.token_fixes
-                             if seq.status is SequenceStatus.RUNNING]  # (else its row is gone: it re-uploads)
-        self.token_fixes = []
         num_preemptions = self.num_preemptions
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
@@ -100,6 +97,9 @@ class Scheduler:
         # sequence admitted now must not hit a block whose K/V this same step computes.
         for seq, num_tokens in step.filled:
             self.block_manager.cache_full_blocks(seq, num_tokens)
+        step.fixed_tokens = [(seq.row, position, token) for seq, position, token in self.token_fixes
+                             if seq.status is SequenceStatus.RUNNING]  # (else its row is gone: it re-uploads)
+        self.token_fixes = []
         self._queue_forks(step)
         return step
 
@@ -177,7 +177,7 @@ class Scheduler:
                 seq.num_cached_tokens, seq.admitted = num_cached, True
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.batch.take_row(seq)
+            self.batch_state.take_row(seq)
             step.new_blocks.append((seq.row, 0, list(seq.block_table)))
             step.new_tokens.append((seq.row, list(seq.token_ids)))
             admitted.append(seq)
@@ -193,7 +193,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free_blocks(seq)
-        self.batch.free_row(seq)
+        self.batch_state.free_row(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)  # victims are popped newest first, so admission order survives
@@ -205,7 +205,7 @@ class Scheduler:
         rows = batch.rows
         if len(step.sampling) != len(step.seqs):
             rows, ends = rows[batch.samples], ends[batch.samples]
-        return self.batch.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), step.sampling)
+        return self.batch_state.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), step.sampling)
 
     # ---- accounting for a step ----------------------------------------------------------------
     def complete(self, step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None = None
@@ -300,7 +300,7 @@ class Scheduler:
         seq.forks = []
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.free_blocks(seq)
-            self.batch.free_row(seq)
+            self.batch_state.free_row(seq)
             seq.num_computed_tokens = 0  # (its K/V are gone with its blocks)
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = now
