@@ -495,3 +495,22 @@ def test_sample_filtered_draws_the_full_sort_samplers_tokens_on_cuda():
         uniform = uniform_per_row(ints, ints * 0)
         expected = sample_from(_reference_filter(probs, top_ks, top_ps, min_ps), uniform)
         assert torch.equal(sample_filtered(probs, uniform, top_ks, top_ps, min_ps), expected)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1024, 1025, 3000])
+def test_two_level_draw_equals_one_cumulative_sum(vocab):
+    """sample_from finds the chunk, then the token (no [B, V] float64 array): the same token as the
+    first index where one float64 cumulative sum over the vocabulary reaches u * total, and never
+    a token of probability 0 (30% of them here, and the padding of the last chunk)."""
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(3 * torch.randn(512, vocab, generator=gen), -1)
+    probs[torch.rand(512, vocab, generator=gen) < 0.3] = 0
+    probs[:, 0] += (probs.sum(-1) == 0).float()  # (no row all zeros)
+    probs[0] = 0
+    probs[0, -1] = 1.0  # all the mass on the last token: the draw must reach the last chunk's end
+    uniform = uniform_per_row(torch.arange(512) * 13 + 1, torch.arange(512))
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None])[:, 0].clamp(max=vocab - 1)
+    got = sample_from(probs, uniform)
+    assert torch.equal(got, expected)
+    assert (probs.gather(-1, got[:, None]) > 0).all()

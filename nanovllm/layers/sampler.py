@@ -35,13 +35,35 @@ def uniform_per_row(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return ((high << 24) + low).double().add(0.5).mul(2.0 ** -48)
 
 
+# sample_from's chunk of the vocabulary: the draw finds its chunk from per-chunk float64 sums, then
+# its token from a float64 cumulative sum within that chunk, so it never builds a [B, V] float64
+# array (the cost of one pass over the float32 probabilities instead of three over twice the bytes).
+CDF_CHUNK = 1024
+
+
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Token i with probability probs[i] / sum(probs), per row: the first index where the
-    cumulative sum reaches u * total. Zero-probability tokens are never chosen (their cumulative
-    sum equals their predecessor's, which fell short). probs [B, V] (unnormalized), uniform [B]."""
-    cdf = probs.double().cumsum(-1)
-    target = (uniform * cdf[:, -1])[:, None]
-    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    cumulative sum reaches u * total (inverse transform sampling), found in two levels (CDF_CHUNK).
+    Zero-probability tokens are never chosen (their cumulative sum equals their predecessor's,
+    which fell short). probs [B, V] (unnormalized), uniform [B]."""
+    num_rows, vocab = probs.shape
+    size = min(CDF_CHUNK, vocab)
+    num_chunks = -(-vocab // size)
+    if num_chunks * size != vocab:  # (padded with zeros: never chosen)
+        probs = torch.nn.functional.pad(probs, (0, num_chunks * size - vocab))
+    chunks = probs.view(num_rows, num_chunks, size)
+    chunk_cdf = chunks.sum(-1, dtype=torch.float64).cumsum(-1)                       # [B, C]
+    target = (uniform * chunk_cdf[:, -1])[:, None]                                   # [B, 1]
+    chunk = torch.searchsorted(chunk_cdf, target).clamp_(max=num_chunks - 1)         # [B, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
+    picked = chunks.gather(1, chunk[:, :, None].expand(num_rows, 1, size))[:, 0]     # [B, size]
+    cdf = picked.double().cumsum(-1) + before                                        # [B, size]
+    i = torch.searchsorted(cdf, target)
+    # The chunk's sum and its cumulative sum round apart by an ulp or so: a target between them
+    # would fall off the chunk's end; it takes the chunk's last token of nonzero probability.
+    last = size - 1 - (picked.flip(-1) > 0).int().argmax(-1, keepdim=True)
+    i = torch.where(i >= size, last, i)
+    return (chunk * size + i)[:, 0]
 
 
 def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
