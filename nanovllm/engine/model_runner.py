@@ -450,16 +450,17 @@ class ModelRunner:
         and one of the float32 ones, holding only what some row of the batch uses."""
         needs = inputs.needs
         ints, floats = {}, {}
+        if needs & (Need.RANDOM | Need.PENALTIES):  # the noise's position; the penalties' history length
+            ints["positions"] = inputs.positions
         if needs & Need.RANDOM:
-            ints["seeds"], ints["positions"] = inputs.seeds, inputs.positions
-            floats["temperatures"] = inputs.temperatures
+            ints["seeds"], floats["temperatures"] = inputs.seeds, inputs.temperatures
         if needs & Need.FILTERS:
             ints["top_ks"], floats["top_ps"] = inputs.top_ks, inputs.top_ps
         if needs & Need.MIN_P:
             floats["min_ps"] = inputs.min_ps
         if needs & Need.PENALTIES:
             p = inputs.penalties
-            ints["rows"], ints["lengths"], ints["num_prompt_tokens"] = inputs.rows, inputs.positions, p["num_prompt_tokens"]
+            ints["rows"], ints["num_prompt_tokens"] = inputs.rows, p["num_prompt_tokens"]
             floats.update(presence=p["presence"], frequency=p["frequency"], repetition=p["repetition"])
         if inputs.banned is not None:
             banned = to_device(np.array(inputs.banned, dtype=np.int64), self.device)
@@ -468,7 +469,7 @@ class ModelRunner:
                               positions=ints.get("positions"), top_ks=ints.get("top_ks"), top_ps=floats.get("top_ps"),
                               min_ps=floats.get("min_ps"), all_greedy=not needs & Need.RANDOM)
         if needs & Need.PENALTIES:
-            seen, generated = self._penalty_tokens(ints["rows"], ints["lengths"], ints["num_prompt_tokens"],
+            seen, generated = self._penalty_tokens(ints["rows"], ints["positions"], ints["num_prompt_tokens"],
                                                    int(inputs.positions.max()), vocab_size)
             batch.penalties = (seen, generated, floats["presence"], floats["frequency"], floats["repetition"])
         if inputs.banned is not None:
