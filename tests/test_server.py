@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,67 +21,11 @@ httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.utils.tiny_model import build_model  # noqa: E402
+from serving import KEY, ROOT, Server, error_of, http, wait_for  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEY = "test-key"
 NAME = "tiny-chat"
 MAX_LEN = 2048  # a request this long runs for seconds: long enough to disconnect from, or queue behind
 GREEDY = dict(temperature=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m nanovllm serve` in a subprocess, its output in a log file."""
-
-    def __init__(self, model: str, log_path, *flags: str, max_model_len: int = MAX_LEN, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        environment = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        environment.pop("NANOVLLM_API_KEY", None)
-        environment.update(env or {})
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nanovllm", "serve", model, "--port", str(self.port),
-                 "--max-model-len", str(max_model_len), *flags], stdout=log, stderr=subprocess.STDOUT,
-                env=environment)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"the server did not become healthy:\n{self.log()}")
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics").text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line.startswith("nanovllm:")}
-
-    def stop(self, timeout: float = 10) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +55,6 @@ def client(server):
 
 def chat_prompt(llm, messages) -> str:
     return llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def http(server, method: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
-    return httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)
 
 
 # ---- outputs ---------------------------------------------------------------------------------
@@ -248,13 +186,6 @@ def test_cached_tokens_on_a_repeated_long_prompt(client):
 
 
 # ---- errors ----------------------------------------------------------------------------------
-def error_of(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
-    return body["error"]
-
-
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
@@ -338,15 +269,6 @@ def test_64_concurrent_streaming_clients_each_get_exactly_their_tokens(server, l
     results = asyncio.run(all_of_them())
     assert [text for text, _ in results] == [e["text"] for e in expected]
     assert [count for _, count in results] == lengths
-
-
-def wait_for(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 @pytest.mark.parametrize("stream", [True, False])
