@@ -70,7 +70,7 @@ def test_bad_prompts_leave_engine_usable(llm, prompt, error, match):
 def test_stop_strings_need_a_tokenizer(tmp_path):
     from nanovllm.utils.tiny_model import build_model
     llm = LLM(build_model(str(tmp_path / "m"), tokenizer=False), max_model_len=64)
-    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+    with pytest.raises(ValueError, match="stop needs a tokenizer"):
         llm.generate([[1, 2]], SamplingParams(stop=["x"], max_tokens=8), use_tqdm=False)
 
 
@@ -144,7 +144,7 @@ def test_request_values_beyond_the_vocabulary_are_refused_up_front(llm):
     good = [3, 4, 5]
     expected = llm.generate([good], GREEDY, use_tqdm=False)[0]["token_ids"]
     for params, match in [(SamplingParams(logprobs=600, max_tokens=4), "logprobs=600 exceeds .* 512"),
-                          (SamplingParams(stop_token_ids=[512], min_tokens=2, max_tokens=4), "stop token id 512")]:
+                          (SamplingParams(stop_token_ids=[512], min_tokens=2, max_tokens=4), "stop_token_ids has 512")]:
         with pytest.raises(ValueError, match=match):
             llm.generate([good, good], [GREEDY, params], use_tqdm=False)
         assert not llm.scheduler.waiting and not llm.scheduler.running

@@ -48,6 +48,15 @@ class InFlightStep:
     sampled: SampledTokens
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room to generate within max_model_len."""
+
+    def __init__(self, num_tokens: int, max_model_len: int):
+        super().__init__(f"the prompt has {num_tokens} tokens or more, which leaves no room to generate within "
+                         f"max_model_len={max_model_len}")
+        self.num_tokens = num_tokens
+
+
 class LLMEngine:
     """Requests in, completions out: owns the tokenizer, scheduler, block manager and model runner
     (and, with tensor parallelism, the worker processes of ranks 1..)."""
@@ -75,7 +84,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self._encode_text(prompt, add_special_tokens=True)
         elif isinstance(prompt, (list, tuple)):
             bad = next((t for t in prompt if not is_integer(t)), None)
             if bad is not None:
@@ -86,9 +95,9 @@ class LLMEngine:
         if not ids:
             raise ValueError("a prompt must have at least one token, got an empty prompt")
         vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if not 0 <= min(ids) <= max(ids) < vocab_size:  # (min and max: C loops, quick on a long prompt)
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         return ids
 
     def render_chat(self, messages: list[dict]) -> list[int]:
@@ -101,17 +110,30 @@ class LLMEngine:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja2's TemplateError, or a template that raises on these messages
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)  # (the template has any BOS already)
+        return self._encode_text(text, add_special_tokens=False)  # (the template has any BOS already)
 
-    def _make_request(self, prompt, sampling_params: SamplingParams, index: int, stream: bool) -> list[Sequence]:
-        """Validate one request and build its n sample Sequences (samples 2..n ride on the first
-        as forks until its prompt is computed); nothing is queued here."""
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """text's token ids. A text far longer than max_model_len is first counted by the fast
+        tokenizer's own backend, and refused without its ids ever becoming Python ints: the
+        backend works without the GIL, but a list of 8 million ints is built holding it, for a
+        quarter of a second that every other thread (the server's event loop) waits out."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        max_model_len = self.config.max_model_len
+        if backend is not None and len(text) > 4 * max_model_len:  # (real tokens hold ~4 characters)
+            num_tokens = len(backend.encode_batch([text], add_special_tokens=False)[0])  # (a lower bound)
+            if num_tokens >= max_model_len:
+                raise PromptTooLong(num_tokens, max_model_len)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams):
+        """Whether a prompt of this many (valid) tokens can run with these parameters on this
+        model: a TypeError or ValueError names what is wrong. Reads only the configuration, so any
+        thread may call it (the server checks requests before they reach the engine thread)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        ids = self.encode_prompt(prompt)
-        if len(ids) + sampling_params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={sampling_params.max_tokens} exceeds "
-                             f"max_model_len={self.config.max_model_len}")
+        if num_prompt_tokens + sampling_params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens plus max_tokens={sampling_params.max_tokens} "
+                             f"exceeds max_model_len={self.config.max_model_len}")
         vocab_size = self.config.hf_config.vocab_size
         if sampling_params.top_k > vocab_size:
             raise ValueError(f"SamplingParams.top_k={sampling_params.top_k} exceeds the model's vocabulary of "
@@ -121,9 +143,16 @@ class LLMEngine:
                              f"of {vocab_size} tokens")
         bad = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"SamplingParams.stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})")
         if sampling_params.stop_strings and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {self.config.model!r} has none; use stop_token_ids")
+            raise ValueError(f"SamplingParams.stop needs a tokenizer, and {self.config.model!r} has none; "
+                             "use stop_token_ids")
+
+    def _make_request(self, prompt, sampling_params: SamplingParams, index: int, stream: bool) -> list[Sequence]:
+        """Validate one request and build its n sample Sequences (samples 2..n ride on the first
+        as forks until its prompt is computed); nothing is queued here."""
+        ids = self.encode_prompt(prompt)
+        self.check_request(len(ids), sampling_params)
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
         # each sample gets its own noise stream: seeds spaced by an odd 64-bit constant
         samples = [Sequence(ids, sampling_params, (seed + j * SAMPLE_SEED_STRIDE) % 2**63, index, j)
@@ -382,10 +411,10 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
-        and waiting, and cumulative counts (preemptions, prompt tokens served by the prefix cache)."""
+        and waiting (samples not started yet included), and cumulative counts (preemptions, prompt tokens served by the prefix cache)."""
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
-                "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_running": len(self.scheduler.running), "num_waiting": self.scheduler.num_waiting_samples(),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_cached_tokens": self.block_manager.num_cached_tokens,
                 "peak_used_blocks": self.block_manager.peak_used_blocks,

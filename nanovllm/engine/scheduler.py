@@ -77,6 +77,11 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
+    def num_waiting_samples(self) -> int:
+        """Sequences not running yet: the waiting ones, and the samples riding on a request (its
+        forks) until its prompt is computed, wherever it is."""
+        return sum(1 + len(seq.forks) for seq in self.waiting) + sum(len(seq.forks) for seq in self.running)
+
     # ---- planning a step ----------------------------------------------------------------------
     def schedule(self) -> ScheduledStep | None:
         """Plan the next step, or None when there is nothing to run.
