@@ -4,13 +4,14 @@ disturb nobody else; and the `nanovllm` command's flags are LLM's options."""
 import asyncio
 import inspect
 import random
+import threading
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import build_parser
 from nanovllm.entrypoints.args import llm_from_args
-from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
+from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown, TooLarge, updates
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -25,9 +26,9 @@ def all_blocks_free(llm) -> bool:
     return stats["num_free_blocks"] == stats["num_blocks"]
 
 
-async def run_one(engine, prompt, params, stream=True, fill_context=False) -> dict:
+async def run_one(engine, prompt, params, stream=True) -> dict:
     """A request's whole output, from its updates: token ids, text, finish reason."""
-    request = await engine.submit(prompt, params, stream=stream, fill_context=fill_context)
+    request = await engine.submit(prompt, params, stream=stream)
     out = {"token_ids": [], "text": "", "finish_reason": None, "num_updates": 0}
     async for _, update in updates([request]):
         out["token_ids"] += update["token_ids"]
@@ -82,9 +83,9 @@ def test_the_prompts_of_one_call_are_queued_all_or_none(llm):
     long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 
     async def main():
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            await engine.submit_all([[1, 2], [3, 10**6], [4, 5]], long)
-        requests = await engine.submit_all([[1, 2], [3, 4]], GREEDY)
+        with pytest.raises(ValueError, match="top_k=1000 exceeds"):
+            engine.submit_all([[1, 2], [3, 4], [4, 5]], [long, SamplingParams(top_k=1000), long])
+        requests = engine.submit_all([[1, 2], [3, 4]], [GREEDY, GREEDY])
         return [u for _, u in [x async for x in updates(requests)] if u["finished"]]
     try:
         finals = asyncio.run(main())
@@ -94,14 +95,24 @@ def test_the_prompts_of_one_call_are_queued_all_or_none(llm):
     assert llm.is_finished() and all_blocks_free(llm)
 
 
-def test_max_tokens_none_takes_what_the_context_leaves(llm):
+def test_prompts_are_tokenized_off_the_engine_thread(llm):
+    """encode() renders and tokenizes on a tokenizer thread: neither the event loop nor the
+    engine thread waits for it."""
     engine = AsyncEngine(llm)
+    threads = []
+    encode = llm.tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+    llm.tokenizer.encode = recording_encode
     try:
-        out = asyncio.run(run_one(engine, [1] * 500, SamplingParams(temperature=0, ignore_eos=True), stream=False,
-                                  fill_context=True))
+        ids = asyncio.run(engine.encode("the quick brown fox"))
     finally:
+        llm.tokenizer.encode = encode
         engine.shutdown()
-    assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    assert ids == encode("the quick brown fox") and len(threads) == 1
+    assert threads[0].startswith("nanovllm-tokenizer")
 
 
 def test_abort_frees_the_blocks_and_abort_all_ends_every_stream(llm):
@@ -144,15 +155,49 @@ def test_queue_limit(model_dir):
         await until(lambda: engine.stats["num_running"] == 1)
         await engine.submit([2], long)  # waits
         await until(lambda: engine.stats["num_waiting"] == 1)
-        with pytest.raises(QueueFull, match="1 requests are already waiting"):
+        with pytest.raises(QueueFull, match="1 sequences may wait .* 1 are waiting already"):
             await engine.submit([3], GREEDY)
-        engine.abort_all()
+        with pytest.raises(TooLarge, match="2 sequences"):  # (never fits: a 400, not a 503, in the server)
+            await engine.submit([3], SamplingParams(n=2))
+        engine.close()
+        with pytest.raises(ShuttingDown):
+            await engine.submit([3], GREEDY)
     try:
         asyncio.run(main())
     finally:
         engine.shutdown()
     with pytest.raises(ValueError, match="max_queued_requests"):
         AsyncEngine(engine.llm, max_queued_requests=0)
+
+
+def test_calls_are_admitted_in_turn(model_dir):
+    """Fairness: a call of many prompts does not hold back a later call until all of them have
+    run. The engine thread hands the engine the calls' requests in turn, keeping no more than
+    max_num_seqs sequences waiting in it; first come, first served would finish the later call
+    last, after all 12 of the first."""
+    engine = AsyncEngine(LLM(model_dir, max_model_len=512, max_num_seqs=2))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    async def main():
+        order = []
+
+        async def finishes(name, requests):
+            async for i, update in updates(requests):
+                if update["finished"]:
+                    order.append((name, i))
+        big = engine.submit_all([[i + 1, 7] for i in range(12)], [params] * 12)
+        first = asyncio.create_task(finishes("big", big))
+        while engine.stats["num_running"] < 2:  # the first call runs, two of its prompts wait
+            await asyncio.sleep(0.005)
+        assert engine.stats["num_waiting"] == 10
+        await finishes("small", engine.submit_all([[99, 98]], [params]))
+        await first
+        return order
+    try:
+        order = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(order) == 13 and order.index(("small", 0)) <= 6, order
 
 
 def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):

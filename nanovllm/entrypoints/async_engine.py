@@ -1,14 +1,27 @@
 """The engine behind an asyncio front: one thread owns the engine and steps it; any number of
 coroutines submit requests and read their results, and the event loop never waits for a step.
 
-Everything that touches the engine (tokenizing, validating, queueing, aborting, stepping) runs on
-the engine thread, so the engine itself stays single-threaded. Coroutines talk to it through a
-thread-safe command queue; results flow back to each request's own asyncio queue.
+Three threads share the work, and none waits for another's slow part:
+- the event loop parses requests, answers them, and streams their results;
+- tokenizer threads render chat templates and tokenize prompts (`encode`): a 10 MB prompt takes
+  seconds there, without holding up a step or another request's stream (tokenizers releases the
+  GIL while it works), and with TOKENIZER_THREADS of them, without holding up every other
+  request's tokenizing either;
+- the engine thread queues, aborts and steps: the engine itself stays single-threaded.
+Coroutines talk to the engine thread through a thread-safe command queue; results flow back to
+each request's own asyncio queue, a step's worth at a time.
+
+Admission is fair across calls: the engine thread holds a call's requests and hands them to the
+engine one call at a time in turn (round robin), keeping no more than max_num_seqs sequences
+waiting in the engine, so one call of 100 prompts x n=128 cannot push every later call back by
+its whole length. The engine's own queue is first come, first served.
 """
 import asyncio
 import dataclasses
 import logging
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, SimpleQueue
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -17,7 +30,9 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
-logger = logging.getLogger("nanovllm")
+logger = logging.getLogger(__name__)
+
+TOKENIZER_THREADS = 4  # (a tokenizer is safe to share: encoding changes none of its settings)
 
 
 class EngineMetrics(Protocol):
@@ -29,7 +44,15 @@ class EngineMetrics(Protocol):
 
 
 class QueueFull(Exception):
-    """max_queued_requests requests are already waiting: try again later."""
+    """max_queued_requests sequences are already waiting: try again later."""
+
+
+class TooLarge(ValueError):
+    """A call of more sequences than max_queued_requests: it could never be queued."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping: new requests are refused and those in flight are aborted."""
 
 
 class EngineDead(Exception):
@@ -38,30 +61,19 @@ class EngineDead(Exception):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One submitted request: a prompt (a string, token ids, or chat messages to render with the
-    tokenizer's chat template) and its sampling parameters (fill_context: its max_tokens is what
-    the prompt leaves of max_model_len). Its updates arrive in `queue` as (request, update) pairs:
-    several requests of one API call may share a queue."""
-    prompt: str | list[int] | list[dict]
+    """One prompt of a call, tokenized and checked, with its sampling parameters. Its updates
+    arrive in `queue` as (request, update) pairs: the requests of one call share a queue."""
+    prompt_token_ids: list[int]
     params: SamplingParams
-    fill_context: bool
     stream: bool
     queue: asyncio.Queue
-    accepted: asyncio.Future  # done once the engine thread has validated and queued it
-    samples: list[Sequence] = dataclasses.field(default_factory=list)  # the engine thread's
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    loop: asyncio.AbstractEventLoop
+    samples: list[Sequence] = dataclasses.field(default_factory=list)  # the engine thread's, once added
 
     def fail(self, error: BaseException):
-        """From the engine thread: the engine failed; the reader gets the error. (Updates go
-        through AsyncEngine._flush, a step's worth at a time.)"""
-        self._call(self.queue.put_nowait, (self, error))
-
-    def settle(self, error: BaseException | None = None):
-        """From the engine thread: the request is queued (or refused with error)."""
-        self._call(_settle, self.accepted, error)
-
-    def _call(self, function, *args):
-        _call_soon(self.accepted.get_loop(), function, *args)
+        """From the engine thread: the reader gets the error. (Updates go through
+        AsyncEngine._flush, a step's worth at a time.)"""
+        _call_soon(self.loop, self.queue.put_nowait, (self, error))
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, function, *args):
@@ -77,21 +89,16 @@ def _put_all(items: list[tuple[Request, dict]]):
         request.queue.put_nowait((request, update))
 
 
-def _settle(future: asyncio.Future, error: BaseException | None):
-    if not future.done():  # (cancelled when the client went away first)
-        future.set_exception(error) if error is not None else future.set_result(None)
-
-
 # The commands the asyncio side sends the engine thread (through AsyncEngine._commands).
 @dataclasses.dataclass
 class Add:
-    """Validate and queue a request (its `accepted` future says how that went)."""
-    request: Request
+    """Queue the requests of one call (checked already: the engine thread only holds and adds them)."""
+    requests: list[Request]
 
 
 @dataclasses.dataclass
 class Abort:
-    """End a request's unfinished samples."""
+    """End a request's unfinished samples (held, or in the engine)."""
     request: Request
 
 
@@ -124,9 +131,11 @@ async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
 
 
 class AsyncEngine:
-    """Runs `llm` on a thread of its own. `submit()` queues a request and waits until it is
-    validated; `updates()` yields its results; `abort()` ends it (a client that went
-    away). `stats` is a snapshot of the engine's queues and KV usage, refreshed every step."""
+    """Runs `llm` on a thread of its own. `encode()` tokenizes a prompt on a tokenizer thread;
+    `submit_all()` queues a call's prompts; `updates()` yields their results; `abort()` ends one (a
+    client that went away); `close()` refuses new calls and aborts the rest. `stats` is a snapshot
+    of the engine's queues and KV usage, refreshed every step. max_queued_requests caps the
+    sequences waiting (each prompt counts n times), held ones included."""
 
     def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
         if max_queued_requests is not None and max_queued_requests < 1:
@@ -135,52 +144,68 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics
         self.error: BaseException | None = None
+        self.closing = False  # close() was called: new calls are refused
+        self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanovllm-tokenizer")
         self._commands: SimpleQueue[Command] = SimpleQueue()
-        self._num_submitted = 0  # Add commands not yet taken by the engine thread
+        self._num_submitted = 0  # sequences in Add commands not yet taken by the engine thread
         self._lock = threading.Lock()
-        self._by_seq: dict[int, Request] = {}  # seq_id -> its request (engine thread only)
+        # the engine thread's:
+        self._held: deque[deque[Request]] = deque()  # calls with requests not in the engine yet, in turn
+        self._num_held = 0  # the sequences they will run
+        self._by_seq: dict[int, Request] = {}  # seq_id -> its request
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # updates of this step, per event loop
         self.stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
         self._thread = threading.Thread(target=self._loop, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
     # ---- the asyncio side ---------------------------------------------------------------------
-    async def submit(self, prompt, params: SamplingParams, stream: bool = False,
-                     fill_context: bool = False) -> Request:
-        """Queue a request and wait until the engine thread has validated it; its updates then
-        arrive in its queue (see `updates()`). stream: updates as tokens come (else one per
-        sample, at its end). fill_context: generate up to max_model_len instead of
-        params.max_tokens (chat's default when a request sets no limit). Raises the engine's
-        ValueError/TypeError for a bad request, QueueFull when max_queued_requests requests are
-        waiting already, EngineDead when the engine has failed."""
-        return (await self.submit_all([prompt], params, stream, fill_context))[0]
+    async def encode(self, prompt) -> list[int]:
+        """A prompt as validated token ids, worked out on a tokenizer thread: a string, token
+        ids, or chat messages ({"role", "content"} dicts, rendered with the chat template). Raises
+        the engine's ValueError/TypeError naming what is wrong."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self._encode, prompt)
 
-    async def submit_all(self, prompts: list, params: SamplingParams, stream: bool = False,
-                         fill_context: bool = False) -> list[Request]:
-        """submit() for several prompts sharing one queue (the prompts of one API call): queued
-        together, so the engine takes them in one go; all of them or none (a refused one aborts
-        the others)."""
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
+            prompt = self.llm.render_chat(prompt)
+        return self.llm.encode_prompt(prompt)
+
+    def submit_all(self, prompt_token_ids: list[list[int]], params: list[SamplingParams],
+                   stream: bool = False) -> list[Request]:
+        """Check and queue the prompts of one call (token ids, from encode()) with their
+        parameters, all of them or none; their updates then arrive in one shared queue (see
+        `updates()`). stream: updates as tokens come (else one per sample, at its end). Raises the
+        engine's ValueError/TypeError for a bad request, TooLarge for more sequences than
+        max_queued_requests, QueueFull while that many wait already, ShuttingDown after close(),
+        EngineDead when the engine has failed."""
+        for ids, p in zip(prompt_token_ids, params, strict=True):
+            self.llm.check_request(len(ids), p)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        requests = [Request(prompt, params, fill_context, stream, queue, loop.create_future()) for prompt in prompts]
+        requests = [Request(ids, p, stream, queue, loop) for ids, p in zip(prompt_token_ids, params)]
+        num_seqs = sum(p.n for p in params)
         with self._lock:  # (the engine thread sets error, and drains the commands, under it)
-            if self.error is not None:
-                raise EngineDead(f"the engine has failed: {self.error!r}")
-            if (self.max_queued_requests is not None
-                    and self._num_submitted + self.stats["num_waiting"] + len(requests) > self.max_queued_requests):
-                raise QueueFull(f"{self.max_queued_requests} requests are already waiting (--max-queued-requests)")
-            self._num_submitted += len(requests)
-            for request in requests:
-                self._commands.put(Add(request))
-        try:
-            results = await asyncio.gather(*(request.accepted for request in requests), return_exceptions=True)
-        except asyncio.CancelledError:  # the client went away before the engine answered
-            results = [asyncio.CancelledError()]
-        refusals = [e for e in results if isinstance(e, BaseException)]
-        if refusals:
-            for request in requests:
-                self.abort(request)
-            raise refusals[0]
+            self.check_open()
+            limit = self.max_queued_requests
+            if limit is not None and num_seqs > limit:
+                raise TooLarge(f"this call asks for {num_seqs} sequences ({len(requests)} prompt(s) x n), more than "
+                               f"the {limit} that --max-queued-requests lets wait: it could never be queued")
+            if limit is not None and self._num_submitted + self.stats["num_waiting"] + num_seqs > limit:
+                raise QueueFull(f"{limit} sequences may wait (--max-queued-requests), and "
+                                f"{self._num_submitted + self.stats['num_waiting']} are waiting already")
+            self._num_submitted += num_seqs
+            self._commands.put(Add(requests))
         return requests
+
+    async def submit(self, prompt, params: SamplingParams, stream: bool = False) -> Request:
+        """encode() and submit_all() for one prompt."""
+        return self.submit_all([await self.encode(prompt)], [params], stream)[0]
+
+    def check_open(self):
+        """Raise EngineDead or ShuttingDown if no new call can be taken."""
+        if self.error is not None:
+            raise EngineDead(f"the engine has failed: {self.error!r}")
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
 
     def abort(self, request: Request):
         """End the request's unfinished samples and free their blocks (any thread; idempotent)."""
@@ -190,10 +215,18 @@ class AsyncEngine:
         """End every request in flight: each one's samples finish with finish_reason "abort"."""
         self._commands.put(AbortAll())
 
+    def close(self):
+        """Refuse every later call (ShuttingDown) and abort every one in flight (any thread).
+        Under the lock, so a call is either queued before the abort (and ends with it) or refused."""
+        with self._lock:
+            self.closing = True
+            self._commands.put(AbortAll())
+
     def shutdown(self):
         """Abort everything, stop the engine thread and the engine (its worker processes)."""
         self._commands.put(Stop())
         self._thread.join()
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
         self.llm.shutdown()
 
     # ---- the engine thread --------------------------------------------------------------------
@@ -201,8 +234,8 @@ class AsyncEngine:
         llm = self.llm
         try:
             while True:
-                command = self._commands.get() if llm.is_finished() else self._next_command()
-                handled = command is not None
+                idle = llm.is_finished() and not self._held
+                command = self._commands.get() if idle else self._next_command()
                 while command is not None:
                     if isinstance(command, Stop):
                         self._abort_all()
@@ -211,28 +244,31 @@ class AsyncEngine:
                         return
                     self._handle(command)
                     command = self._next_command()
-                if handled:
-                    self._snapshot()  # (the queue limit counts what was just queued)
+                self._feed()
+                self._snapshot()  # (the queue limit counts what was just queued)
                 if not llm.is_finished():
                     self._deliver(llm.step())
                 self._flush()
                 self._snapshot()
         except BaseException as e:  # nothing can run any more: tell everyone waiting
             logger.exception("the engine failed; every request in flight fails with it")
-            unfinished = [*self._by_seq.values(), *(r for items in self._outbox.values() for r, _ in items)]
+            unfinished = [*self._by_seq.values(), *(r for call in self._held for r in call),
+                          *(r for items in self._outbox.values() for r, _ in items)]
             for request in {id(r): r for r in unfinished}.values():
                 request.fail(EngineDead(f"the engine has failed: {e!r}"))
             self._by_seq.clear()
+            self._held.clear()
             self._outbox.clear()
             self._refuse_the_rest(e)
 
     def _refuse_the_rest(self, error: BaseException):
-        """The thread is ending: refuse every request submitted and not yet taken, and any later one."""
+        """The thread is ending: fail every call submitted and not yet taken, and refuse any later one."""
         with self._lock:
             self.error = error
             while (command := self._next_command()) is not None:
                 if isinstance(command, Add):
-                    command.request.settle(EngineDead(f"the engine has failed: {error!r}"))
+                    for request in command.requests:
+                        request.fail(EngineDead(f"the engine has failed: {error!r}"))
 
     def _next_command(self) -> Command | None:
         try:
@@ -242,44 +278,63 @@ class AsyncEngine:
 
     def _handle(self, command: Add | Abort | AbortAll):
         match command:
-            case Add(request):
+            case Add(requests):
                 with self._lock:
-                    self._num_submitted -= 1
-                try:
-                    self._add(request)
-                except (ValueError, TypeError) as e:  # a bad request
-                    request.settle(e)
-                except Exception as e:  # a request that trips a bug: it fails, the others go on
-                    logger.exception("a request could not be queued")
-                    request.settle(e)
+                    self._num_submitted -= sum(r.params.n for r in requests)
+                self._held.append(deque(requests))
+                self._num_held += sum(r.params.n for r in requests)
             case Abort(request):
                 self._abort(request)
             case AbortAll():
                 self._abort_all()
 
+    def _feed(self):
+        """Hand held requests to the engine, one call's next request at a time, calls in turn,
+        while fewer than max_num_seqs sequences wait in the engine: as many as a step could admit,
+        so the engine never runs short, and a later call waits behind at most that many."""
+        while self._held and self.llm.scheduler.num_waiting_samples() < self.llm.config.max_num_seqs:
+            call = self._held.popleft()
+            self._add(call.popleft())
+            if call:
+                self._held.append(call)
+
     def _add(self, request: Request):
-        llm, prompt = self.llm, request.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
-            prompt = llm.render_chat(prompt)
-        ids = llm.encode_prompt(prompt)
-        params = request.params
-        if request.fill_context:  # what the prompt leaves of the context
-            params = dataclasses.replace(params, max_tokens=max(1, llm.config.max_model_len - len(ids)))
-        request.samples = llm.add_request(ids, params, stream=request.stream)
-        request.prompt_token_ids = ids
+        self._num_held -= request.params.n
+        try:
+            request.samples = self.llm.add_request(request.prompt_token_ids, request.params, stream=request.stream)
+        except Exception as e:  # checked already, so a bug: this request fails, the others go on
+            logger.exception("a request could not be queued")
+            request.fail(e)
+            return
         for seq in request.samples:
             self._by_seq[seq.seq_id] = request
         if self.metrics is not None:
-            self.metrics.request_added(len(ids))
-        request.settle()
+            self.metrics.request_added(len(request.prompt_token_ids))
+
+    def _unhold(self, request: Request) -> bool:
+        """Take a held request out of its call's turn; whether it was held."""
+        for call in self._held:
+            if request in call:
+                call.remove(request)
+                self._num_held -= request.params.n
+                if not call:
+                    self._held.remove(call)
+                return True
+        return False
 
     def _abort(self, request: Request):
+        if self._unhold(request):
+            return  # (nobody reads it: its client went away)
         for seq in request.samples:
             if self._by_seq.pop(seq.seq_id, None) is not None:
                 self.llm.abort(seq)
 
     def _abort_all(self):
-        """Abort every request and send each one's samples their last update."""
+        """Abort every request and send each one's samples their last update. A held request is
+        added first, so it ends the way every other does."""
+        while self._held:
+            for request in self._held.popleft():
+                self._add(request)
         for request in {id(r): r for r in self._by_seq.values()}.values():
             for seq in request.samples:
                 if seq.seq_id in self._by_seq:
@@ -302,7 +357,7 @@ class AsyncEngine:
             del self._by_seq[seq.seq_id]
             if self.metrics is not None:
                 self.metrics.sequence_finished(seq)
-        self._outbox.setdefault(request.accepted.get_loop(), []).append((request, update))
+        self._outbox.setdefault(request.loop, []).append((request, update))
 
     def _flush(self):
         """Hand this step's updates over: one wake-up of each event loop, not one per update."""
@@ -311,9 +366,8 @@ class AsyncEngine:
         self._outbox = {}
 
     def _snapshot(self):
-        llm = self.llm
-        stats = llm.stats()
-        self.stats = {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"],
+        stats = self.llm.stats()
+        self.stats = {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"] + self._num_held,
                       "kv_cache_usage": (stats["num_blocks"] - stats["num_free_blocks"]) / stats["num_blocks"],
                       "num_cached_tokens": stats["num_cached_tokens"], "num_preemptions": stats["num_preemptions"]}
         if self.metrics is not None:
