@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
     serve_parser.add_argument("--max-queued-requests", type=int, default=None,
                               help="refuse requests with 503 while this many are waiting (default: no limit)")
+    serve_parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                              help="refuse a larger body with 413, before parsing it (default: 8 MiB, room "
+                                   "for a 128k-token context as JSON token ids)")
+    serve_parser.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
     serve_parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
     serve_parser.add_argument("--log-level", default="warning",
                               choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
@@ -61,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise SystemExit(f"nanovllm serve: --max-queued-requests must be >= 1, got {args.max_queued_requests}")
+        if args.max_request_bytes < 1:
+            raise SystemExit(f"nanovllm serve: --max-request-bytes must be >= 1, got {args.max_request_bytes}")
         try:  # imported here, not at the top: the server needs the optional `serve` extra (FastAPI, uvicorn)
             from nanovllm.entrypoints.api_server import serve
         except ImportError as e:

@@ -7,12 +7,23 @@
     GET  /metrics                Prometheus metrics (entrypoints/metrics.py)
 
 Concurrent requests share the engine's continuous batching: each HTTP request becomes one engine
-request per prompt, and the engine thread (entrypoints/async_engine.py) steps them all together.
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}; a client's mistake
-is a 4xx, never a 500, and never disturbs the other requests.
+request per prompt, and the engine thread (entrypoints/async_engine.py) steps them all together;
+prompts are tokenized on threads of their own, so a huge one holds up nobody else.
+
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}. A client's mistake is
+a 4xx naming the field, never a 500, and never disturbs the other requests. Before a body is read,
+the Gate (below) checks the API key (401) and the body's size (413, --max-request-bytes).
+
+Shutdown (SIGTERM or SIGINT) refuses new requests and aborts those in flight; every client gets an
+answer: a 503 "the server is shutting down" (Retry-After: 1) if its response had not started, or,
+for a stream already under way, a last event {"error": {...}} and then `data: [DONE]`. A request
+still uploading its body gets that 503 too, within SHUTDOWN_GRACE seconds. (finish_reason "abort"
+is the engine's own word for this; the API never reports it.)
 """
 import asyncio
+import dataclasses
 import json
+import logging
 import os
 import secrets
 import time
@@ -21,29 +32,43 @@ from collections.abc import AsyncIterator
 
 import torch
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.engine.llm_engine import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args
-from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, updates
+from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown, TooLarge, updates
 from nanovllm.entrypoints.metrics import ServingMetrics
-from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, SamplingRequest)
+from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                           SamplingRequest, inline_schema, parse_body)
 
+logger = logging.getLogger(__name__)
 
 CREATED = int(time.time())  # the served model's `created`
+SHUTDOWN_GRACE = 0.5  # seconds a request still uploading is given, once shutdown starts
+RETRY_AFTER = {"Retry-After": "1"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code if self.code is not None else self.status}}, self.status)
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down: the request was not completed; retry on another server",
+                    "service_unavailable", headers=RETRY_AFTER)
 
 
 # ---- errors: every one in OpenAI's shape ---------------------------------------------------------
@@ -52,40 +77,108 @@ async def api_error(_, e: APIError):
 
 
 async def bad_request(_, e: BadRequest):
-    return APIError(400, str(e), "invalid_request_error", e.param).response()
-
-
-async def invalid_request(_, e: RequestValidationError):
-    first = e.errors()[0] if e.errors() else {}
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                        "invalid_request_error").response()
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    message = f"{'.'.join(location) or 'body'}: {first.get('msg', 'invalid request')}"
-    return APIError(400, message, "invalid_request_error", location[0] if location else None).response()
+    return APIError(e.status, str(e), "invalid_request_error", e.param).response()
 
 
 async def http_error(_, e: StarletteHTTPException):
     return APIError(e.status_code, str(e.detail), "invalid_request_error").response()
 
 
-ERROR_HANDLERS = {APIError: api_error, BadRequest: bad_request, RequestValidationError: invalid_request,
-                  StarletteHTTPException: http_error}
+ERROR_HANDLERS = {APIError: api_error, BadRequest: bad_request, StarletteHTTPException: http_error}
+ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
+    (400, "A bad request: the error's `param` names the field"), (401, "A missing or wrong API key"),
+    (404, "An unknown model"), (413, "A body over --max-request-bytes"), (415, "A body that is not JSON"),
+    (503, "Too many sequences waiting, or the server is shutting down (Retry-After says when to retry)"))}
+
+
+class Gate:
+    """ASGI middleware in front of the app, deciding before the body is parsed: a /v1 request
+    without the API key is a 401 and a body over max_request_bytes a 413, neither body read into
+    memory; a request still uploading when shutdown starts gets a 503 within SHUTDOWN_GRACE. The
+    body read here is handed on to the app. (A refused body is still read to its end, up to
+    DISCARD_LIMIT, and dropped: closing a connection in mid-upload makes clients see a reset
+    instead of the answer.)"""
+    DISCARD_LIMIT = 64 * 2**20
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+        self.stopping: float | None = None  # when shutdown started (time.monotonic()), from Server.handle_exit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["path"].startswith("/v1") and not self._authorized(headers):
+            return await self._refuse(APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                                               "authentication_error", code="invalid_api_key"), scope, receive, send)
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            return await self._refuse(self._too_large(int(declared)), scope, receive, send)
+        body, more = await self._read(receive, self.max_request_bytes)
+        if more is None:
+            return await shutting_down().response()(scope, receive, send)
+        if more:
+            return await self._refuse(self._too_large(len(body) + len(more)), scope, receive, send)
+
+        replayed = False
+
+        async def replay():  # the body first, then the connection's own messages (a disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        await self.app(scope, replay, send)
+
+    def _authorized(self, headers: dict) -> bool:
+        if self.api_key is None:
+            return True
+        given = headers.get("authorization", "")
+        return secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(413, f"the body is {size} bytes, more than the {self.max_request_bytes} this server takes "
+                             "(--max-request-bytes)", "invalid_request_error")
+
+    async def _refuse(self, error: APIError, scope, receive, send):
+        await self._read(receive, self.DISCARD_LIMIT, keep=False)
+        await error.response()(scope, receive, send)
+
+    async def _read(self, receive, limit: int, keep: bool = True) -> tuple[bytes, bytes | None]:
+        """The body, up to limit bytes (kept, or counted and dropped), and what came past the
+        limit (b"" if nothing did; None if shutdown's grace ran out first)."""
+        chunks, size = [], 0
+        while True:
+            message = await self._receive(receive)
+            if message is None:
+                return b"", None
+            if message["type"] == "http.disconnect":
+                return b"".join(chunks), b""
+            chunk = message.get("body", b"")
+            if size + len(chunk) > limit:
+                return b"".join(chunks), chunk
+            size += len(chunk)
+            if keep:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), b""
+
+    async def _receive(self, receive) -> dict | None:
+        """The connection's next message, or None once shutdown has gone on for SHUTDOWN_GRACE."""
+        message = asyncio.ensure_future(receive())
+        while True:
+            left = None if self.stopping is None else self.stopping + SHUTDOWN_GRACE - time.monotonic()
+            done, _ = await asyncio.wait({message}, timeout=0.1 if left is None else max(0.0, left))
+            if done:
+                return message.result()
+            if left is not None:
+                message.cancel()
+                return None
 
 
 # ---- the endpoints: what they serve is in app.state (see build_app) ------------------------------
-async def authorized(http: Request):
-    api_key = http.app.state.api_key
-    if api_key is None:
-        return
-    given = http.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-        raise APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
-                       "authentication_error", code="invalid_api_key")
-
-
 public = APIRouter()
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])  # the API: behind the key, if any
+v1 = APIRouter(prefix="/v1")  # the API: behind the key, if any (the Gate checks it)
 
 
 @public.get("/health")
@@ -104,7 +197,7 @@ async def prometheus_metrics(http: Request):
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@v1.get("/models")
+@v1.get("/models", responses={401: ERRORS[401]})
 async def models(http: Request):
     state = http.app.state
     model = {"id": state.served_model_name, "object": "model", "created": CREATED, "owned_by": "nanovllm",
@@ -112,31 +205,37 @@ async def models(http: Request):
     return {"object": "list", "data": [model]}
 
 
-@v1.post("/completions")
-async def completions(body: CompletionRequest, http: Request):
-    return await respond(http, body, body.prompts(), body.max_tokens, body.logprobs, CompletionChoices)
+def body_of(model: type[SamplingRequest]) -> dict:
+    """The OpenAPI description of an endpoint whose body is `model` (parsed by parse_body, not by
+    FastAPI): its schema and every error it can answer."""
+    return {"openapi_extra": {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": inline_schema(model)}}}}, "responses": ERRORS}
 
 
-@v1.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, http: Request):
+@v1.post("/completions", **body_of(CompletionRequest))
+async def completions(http: Request):
+    body = parse_body(await http.body(), http.headers.get("content-type"), CompletionRequest)
+    return await respond(http, body, body.prompts(), body.logprobs, CompletionChoices)
+
+
+@v1.post("/chat/completions", **body_of(ChatCompletionRequest))
+async def chat_completions(http: Request):
+    body = parse_body(await http.body(), http.headers.get("content-type"), ChatCompletionRequest)
     messages = [m.as_template_input() for m in body.messages]
-    num_logprobs = body.num_logprobs()
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return await respond(http, body, [messages], max_tokens, num_logprobs, ChatChoices)
+    return await respond(http, body, [messages], body.num_logprobs(), ChatChoices)
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              metrics: ServingMetrics | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under the name `served_model_name`: the endpoints above,
-    with what they serve in app.state."""
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
+              metrics: ServingMetrics | None, max_request_bytes: int) -> Gate:
+    """What to serve: the FastAPI app (`.app`) serving `engine` under the name
+    `served_model_name`, the endpoints above with what they serve in app.state, behind its Gate."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
-    app.state.engine, app.state.served_model_name = engine, served_model_name
-    app.state.api_key, app.state.metrics = api_key, metrics
+    app.state.engine, app.state.served_model_name, app.state.metrics = engine, served_model_name, metrics
     for error, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
     app.include_router(public)
     app.include_router(v1)
-    return app
+    return Gate(app, api_key, max_request_bytes)
 
 
 # ---- one API call -------------------------------------------------------------------------------
@@ -146,27 +245,65 @@ def check_model(body: SamplingRequest, served_model_name: str):
                        "not_found_error", "model", "model_not_found")
 
 
-async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, max_tokens: int | None,
-                     num_logprobs: int | None) -> list:
-    """One engine request per prompt, queued together (all of them or none), sharing one
-    queue. max_tokens None: up to max_model_len (chat's default)."""
-    params = body.sampling_params(max_tokens, num_logprobs)  # (a BadRequest is a 400 naming the field)
+async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, num_logprobs: int | None) -> list:
+    """Tokenize the call's prompts (on the tokenizer threads), give each its completion limit, and
+    queue them together, all or none. Each refusal is an APIError naming the field."""
+    params = body.sampling_params(num_logprobs)
     try:
-        return await engine.submit_all(prompts, params, body.stream, fill_context=max_tokens is None)
+        engine.check_open()  # (before tokenizing for nothing)
+        prompt_ids = await asyncio.gather(*(engine.encode(prompt) for prompt in prompts))
+    except PromptTooLong as e:
+        raise BadRequest(f"{body.prompt_field} has {e.num_tokens} tokens or more, which leaves no room to "
+                         f"generate within max_model_len={engine.llm.config.max_model_len}", body.prompt_field) from e
     except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), "invalid_request_error", getattr(e, "param", None)) from e
-    except QueueFull as e:
-        raise APIError(503, str(e), "service_unavailable") from e
-    except EngineDead as e:
-        raise APIError(503, str(e), "server_error") from e
+        raise BadRequest(str(e), body.prompt_field) from e
+    except (ShuttingDown, EngineDead) as e:
+        raise unavailable(e) from e
+    max_model_len = engine.llm.config.max_model_len
+    params = [with_limit(params, len(ids), body, max_model_len) for ids in prompt_ids]
+    try:
+        return engine.submit_all(prompt_ids, params, body.stream)
+    except TooLarge as e:
+        raise BadRequest(str(e), "n" if body.n > 1 else body.prompt_field) from e
+    except (ValueError, TypeError) as e:
+        raise body.bad_request(e) from e
+    except (QueueFull, ShuttingDown, EngineDead) as e:
+        raise unavailable(e) from e
 
 
-async def respond(http: Request, body: SamplingRequest, prompts: list, max_tokens: int | None,
-                  num_logprobs: int | None, choices: type["Choices"]):
+def with_limit(params, num_prompt_tokens: int, body: SamplingRequest, max_model_len: int):
+    """params with the completion limit of a prompt this long: the request's own, which must fit
+    in max_model_len with the prompt, or else what the prompt leaves of it."""
+    limit, room = body.completion_limit(), max_model_len - num_prompt_tokens
+    prompt, field = body.prompt_field, body.max_tokens_field
+    if room < 1:
+        raise BadRequest(f"{prompt} has {num_prompt_tokens} tokens, which leaves no room to generate within "
+                         f"max_model_len={max_model_len}", prompt)
+    if limit is not None and limit > room:
+        raise BadRequest(f"{prompt} has {num_prompt_tokens} tokens; with {field}={limit} that exceeds "
+                         f"max_model_len={max_model_len} (at most {room} tokens can be generated)", field)
+    if limit is None:
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except (ValueError, TypeError) as e:
+            raise body.bad_request(e) from e
+    return params
+
+
+def unavailable(e: Exception) -> APIError:
+    if isinstance(e, ShuttingDown):
+        return shutting_down()
+    if isinstance(e, QueueFull):
+        return APIError(503, str(e), "service_unavailable", headers=RETRY_AFTER)
+    return APIError(503, str(e), "server_error")  # EngineDead: retrying here will not help
+
+
+async def respond(http: Request, body: SamplingRequest, prompts: list, num_logprobs: int | None,
+                  choices: type["Choices"]):
     """Submit the call's prompts and answer with their choices: a whole response, or a stream."""
     engine, name = http.app.state.engine, http.app.state.served_model_name
     check_model(body, name)
-    requests = await submit_all(engine, prompts, body, max_tokens, num_logprobs)
+    requests = await submit_all(engine, prompts, body, num_logprobs)
     response = choices(requests, body, name, engine.llm.tokenizer)
     if body.stream:
         return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
@@ -205,18 +342,21 @@ async def until_disconnected(http: Request, work):
     try:
         return task.result()
     except EngineDead as e:
-        raise APIError(503, str(e), "server_error") from e
+        raise unavailable(e) from e
 
 
 async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
-    """Server-sent events, one `data:` line per JSON object, ending with `data: [DONE]`. on_close
-    runs however it ends (a client that went away cancels this generator)."""
+    """Server-sent events, one `data:` line per JSON object, ending with `data: [DONE]`; a stream
+    that cannot finish (shutdown, a failed engine) ends with an event {"error": {...}} and then
+    `data: [DONE]`. on_close runs however it ends (a client that went away cancels this generator)."""
     try:
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except (EngineDead, APIError) as e:
+            error = e if isinstance(e, APIError) else unavailable(e)
+            yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
         yield "data: [DONE]\n\n"
-    except (EngineDead, APIError) as e:
-        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': 503}})}\n\n"
     finally:
         on_close()
 
@@ -271,13 +411,21 @@ class Choices:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    async def _updates(self) -> AsyncIterator[tuple[int, dict]]:
+        """The engine's updates of these requests. Only shutdown aborts a request that somebody
+        still reads (a client that went away reads nothing): that ends the response with a 503."""
+        async for i, update in updates(self.requests):
+            if update.get("finish_reason") == "abort":
+                raise shutting_down()
+            yield i, update
+
     async def collect(self) -> dict:
         """Wait for every choice; the whole response."""
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
         entries: dict[int, list[dict]] = {}
         finals: dict[int, dict] = {}
-        async for i, update in updates(self.requests):
+        async for i, update in self._updates():
             c = i * self.n + update["sample"]
             texts.setdefault(c, []).append(update["text"] or "")
             ids.setdefault(c, []).extend(update["token_ids"])
@@ -310,7 +458,7 @@ class Choices:
 
         if opening := self.opening():
             yield chunk(opening)
-        async for i, update in updates(self.requests):
+        async for i, update in self._updates():
             c = i * self.n + update["sample"]
             text = update["text"] or ""
             num_tokens[c] = num_tokens.get(c, 0) + len(update["token_ids"])
@@ -379,19 +527,23 @@ class ChatChoices(Choices):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server in front of one engine, which it tells when a signal asks it to stop."""
+    """uvicorn's server in front of one engine and its Gate, which it tells when a signal asks it
+    to stop."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, banner: str):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: Gate, banner: str):
         super().__init__(config)
-        self.engine, self.banner = engine, banner
+        self.engine, self.gate, self.banner = engine, gate, banner
 
     def handle_exit(self, sig, frame):
-        """A signal is a request to stop: end every request in flight at once (their streams
-        close with finish_reason "abort"), so the graceful shutdown has nothing to wait for,
-        and do not re-raise the signal afterwards (uvicorn would, ending us with its status)."""
+        """A signal is a request to stop: refuse new requests and end every one in flight at once
+        (each client gets its 503 or its stream's error event), so the graceful shutdown has
+        nothing to wait for but uploads given SHUTDOWN_GRACE; and do not re-raise the signal
+        afterwards (uvicorn would, ending us with its status)."""
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
-        self.engine.abort_all()
+        if self.gate.stopping is None:
+            self.gate.stopping = time.monotonic()
+            self.engine.close()
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
@@ -400,8 +552,8 @@ class Server(uvicorn.Server):
 
 
 def serve(args) -> int:
-    """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, then abort what is in
-    flight, stop the engine and return 0."""
+    """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, then answer or abort what
+    is in flight, stop the engine and return 0."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # On CPU, leave a core to the event loop: torch's intra-op threads spin-wait, and fighting
@@ -411,10 +563,11 @@ def serve(args) -> int:
     metrics = None if args.no_metrics else ServingMetrics()
     engine = AsyncEngine(llm, args.max_queued_requests, metrics)
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.api_key, metrics)
+    gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes)
     banner = f"nanovllm: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   access_log=False, timeout_graceful_shutdown=5), engine, banner)
+    server = Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
+                                   access_log=not args.disable_log_requests, timeout_graceful_shutdown=5),
+                    engine, gate, banner)
     try:
         server.run()
     finally:

@@ -1,8 +1,15 @@
-"""The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras), and
-how they become SamplingParams. Fields the server does not use are ignored, as OpenAI's are."""
-from typing import Literal
+"""The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a
+body is parsed (`parse_body`: JSON, checked strictly, every mistake a BadRequest naming the
+field) and how it becomes SamplingParams. Fields the server does not use are ignored.
 
-from pydantic import BaseModel, ConfigDict, Field
+Types are strict, as the API's schema says: `"max_tokens": "5"` or a token id `false` is refused,
+not coerced (an int where a float is expected is fine).
+"""
+import json
+import re
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -12,20 +19,24 @@ DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI 
 
 
 class BadRequest(ValueError):
-    """A request the API refuses: a 400 naming the parameter."""
+    """A request the API refuses: a 4xx (400 unless said otherwise) naming the parameter."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
+
+
+STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """The fields completions and chat completions share."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -46,13 +57,27 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
 
-    def sampling_params(self, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
-        """SamplingParams of this request (max_tokens None: a placeholder the engine replaces by
-        what the prompt leaves of the context). Bad values are a BadRequest naming the field."""
+    # the names of this endpoint's fields, for errors (chat overrides them)
+    prompt_field: ClassVar[str] = "prompt"
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens"
+
+    def completion_limit(self) -> int | None:
+        """The most tokens to generate per sample, as the request says (None: what the prompt
+        leaves of max_model_len)."""
+        return self.max_tokens
+
+    def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
+        """SamplingParams of this request (without a completion limit, max_tokens is a placeholder
+        the server replaces by what the prompt leaves of the context). Bad values are a
+        BadRequest naming the field."""
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        max_tokens = self.completion_limit()
         if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+            raise BadRequest(f"{self.max_tokens_field} must be at least 1, got {max_tokens}", self.max_tokens_field)
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                           "frequency_penalty", "repetition_penalty")
                  if getattr(self, name) is not None}
@@ -63,13 +88,23 @@ class SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs)
         except (ValueError, TypeError) as e:
-            message = str(e)
-            param = message.split("SamplingParams.", 1)[1].split(" ", 1)[0].split("=", 1)[0] \
-                if "SamplingParams." in message else None
-            raise BadRequest(message.replace("SamplingParams.", ""), param) from e
+            raise self.bad_request(e) from e
+
+    def bad_request(self, error: Exception, param: str | None = None) -> BadRequest:
+        """The engine's or SamplingParams' error as a BadRequest naming this endpoint's field: they
+        name a parameter as `SamplingParams.<name>` (param: the field, when the error names none)."""
+        message = str(error)
+        named = re.search(r"SamplingParams\.(\w+)", message)
+        if named is not None:
+            param = named.group(1)
+            message = message.replace("SamplingParams.", "")
+        if param == "max_tokens" and self.max_tokens_field != "max_tokens":
+            param, message = self.max_tokens_field, message.replace("max_tokens", self.max_tokens_field)
+        return BadRequest(message, param)
 
 
 class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_TOKENS  # (null: up to max_model_len)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -88,7 +123,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool calls, ...: passed on to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool calls, ...: passed on to the template
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
 
@@ -106,12 +141,132 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
+    prompt_field: ClassVar[str] = "messages"
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs to be true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, in OpenAI's shape."""
+    error: ErrorInfo
+
+
+# ---- parsing a body -----------------------------------------------------------------------------
+def parse_body(raw: bytes, content_type: str | None, model: type[SamplingRequest]) -> SamplingRequest:
+    """The request `model` that a body holds, or a BadRequest saying what is wrong with it: a
+    media type that is not JSON (415), bytes that are not UTF-8 JSON, JSON nested too deep for
+    the parser, a string that is not valid Unicode (a lone surrogate such as "\\ud800", which
+    could not even be written back in an error message), a field of the wrong type or value."""
+    media_type = (content_type or "application/json").split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise BadRequest(f"the body must be JSON (Content-Type: application/json), got {media_type!r}", status=415)
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        field = _too_deep_field(raw)
+        raise BadRequest(f"{field or 'the body'} is nested too deeply to parse", field) from None
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not UTF-8: {e.reason} at byte {e.start}") from None
+    except ValueError as e:  # (json.JSONDecodeError, and the constants refused)
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(data).__name__}")
+    if (path := _lone_surrogate(data)) is not None:
+        raise BadRequest(f"{path} is not valid Unicode: it holds a lone surrogate", path.split(".", 1)[0])
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        location = [str(part) for part in first["loc"] if isinstance(part, int) or part in FIELD_NAMES]
+        raise BadRequest(f"{'.'.join(location) or 'body'}: {first['msg']}", location[0] if location else None) from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate(data) -> str | None:
+    """The path (`messages.0.content`) of the first string, key or value, holding a lone
+    surrogate, if any. Iterative: the parser allows deeper nesting than Python's stack."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                if SURROGATE.search(key):  # (escaped: the path goes into the error message)
+                    return child.encode("utf-8", "backslashreplace").decode()
+                stack.append((child, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value))
+    return None
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _too_deep_field(raw: bytes) -> str | None:
+    """The top-level field whose value nests too deeply for json.loads (None if the body is not
+    an object of fields): the fields are decoded one at a time, until one raises RecursionError."""
+    decoder, text = json.JSONDecoder(), raw.decode("utf-8", errors="replace")
+    space = re.compile(r"\s*")
+    try:
+        i = space.match(text, text.index("{") + 1).end()
+        while text[i] == '"':
+            key, i = decoder.raw_decode(text, i)
+            i = space.match(text, i).end() + 1  # (past the colon)
+            try:
+                _, i = decoder.raw_decode(text, space.match(text, i).end())
+            except RecursionError:
+                return key
+            i = space.match(text, space.match(text, i).end() + 1).end()  # (past the comma)
+    except (ValueError, IndexError):
+        pass
+    return None
+
+
+def inline_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with its definitions written in place, for the OpenAPI document
+    (whose references would otherwise point into the wrong document)."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(definitions[node["$ref"].rsplit("/", 1)[1]])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+    return resolve(schema)
+
+
+FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
+               for name in m.model_fields}
