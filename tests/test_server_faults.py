@@ -1,0 +1,246 @@
+"""The server under bad input and faults (a real `nanovllm serve` subprocess): a huge prompt holds
+up nobody, the key is checked before the body is read, every client mistake is a 4xx naming its
+field, admission counts sequences, and SIGTERM under load answers every client, including those
+still uploading, and exits promptly. The schema-driven fuzz is in test_server_fuzz.py."""
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed")
+
+from nanovllm.utils.tiny_model import build_model  # noqa: E402
+from serving import KEY, Server, error_of, http  # noqa: E402
+
+MAX_LEN = 8192  # long enough for a stream to outlast a 10 MB prompt's tokenization
+LIMIT = 16 * 2**20  # this server's --max-request-bytes: a 10 MB prompt gets through, to be tokenized
+SIGTERM_REPEATS = int(os.environ.get("NANOVLLM_SIGTERM_REPEATS", "2"))  # the issue's target: 20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(str(tmp_path_factory.mktemp("faults")), chat_template=True, max_position_embeddings=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = Server(model, tmp_path_factory.mktemp("log") / "server.log", "--api-key", KEY, "--max-request-bytes",
+               str(LIMIT), "--max-queued-requests", "8", max_model_len=MAX_LEN)
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def post(server, path: str, content: bytes, key: str | None = KEY, content_type: str | None = "application/json"):
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=60)
+
+
+# ---- a huge prompt ---------------------------------------------------------------------------
+def test_a_10mb_prompt_does_not_hold_up_a_running_stream(server):
+    """Tokenized on a tokenizer thread, a 10 MB prompt takes seconds to be refused (it is far
+    longer than max_model_len); a client streaming meanwhile, one request after another, keeps
+    its pace (the longest gap between its events, across its requests too, stays under 0.5 s)."""
+    times, done = [], threading.Event()
+
+    def stream_until_done():
+        body = {"prompt": "a", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        while not done.is_set():
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        times.append(time.monotonic())
+                    if done.is_set():
+                        return
+    reader = threading.Thread(target=stream_until_done)
+    reader.start()
+    while not times:
+        time.sleep(0.01)
+    start = time.monotonic()
+    try:
+        error = error_of(http(server, "POST", "/v1/completions", json={"prompt": "hello world " * 875_000,
+                                                                       "max_tokens": 1}), 400)
+    finally:
+        end = time.monotonic()
+        done.set()
+        reader.join()
+    assert error["param"] == "prompt" and "max_model_len" in error["message"]
+    during = [t for t in times if start <= t <= end]
+    gaps = [b - a for a, b in zip([start, *during], [*during, end])]
+    print(f"10 MB prompt refused in {end - start:.1f} s; the stream's longest gap meanwhile {max(gaps):.3f} s")
+    assert max(gaps) < 0.5
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server):
+    start = time.monotonic()
+    error = error_of(post(server, "/v1/completions", b"[" * (LIMIT + 1)), 413)
+    assert "--max-request-bytes" in error["message"] and time.monotonic() - start < 5
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_the_key_is_checked_before_the_body_is_read(server):
+    error = error_of(post(server, "/v1/completions", b'{"prompt": "hi",', key=None), 401)
+    assert error["type"] == "authentication_error"
+    error_of(post(server, "/v1/completions", b" " * (LIMIT + 10), key="wrong"), 401)  # (not 413: the key first)
+
+
+# ---- every mistake a 4xx naming its field ----------------------------------------------------
+@pytest.mark.parametrize("path, raw, param, words", [
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}', "model", "lone surrogate"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"]}', "prompt", "prompt.1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages",
+     "messages.0.content"),
+    ("/v1/completions", b'{"prompt": "hi", "\\ud800": 1}', "\\ud800", "lone surrogate"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}", "stop", "nested too deeply"),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", "messages", "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', "max_tokens", "valid integer"),
+    ("/v1/completions", b'{"prompt": [[false]]}', "prompt", "prompt"),
+    ("/v1/completions", b'{"prompt": [1.0]}', "prompt", "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', None, "NaN"),
+    ("/v1/completions", b'["hi"]', None, "JSON object"),
+    ("/v1/completions", b'{"prompt": "\xff"}', None, "UTF-8"),
+    ("/v1/completions", b'{"prompt": "hi", "top_k": 100000000000000000000}', "top_k", "top_k"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}',
+     "max_completion_tokens", "max_completion_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99999}',
+     "max_completion_tokens", "max_completion_tokens=99999"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}',
+     "max_tokens", "max_tokens=99999"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"word " * 9000 + b'"}]}',
+     "messages", "messages has"),
+    ("/v1/completions", b'{"prompt": [1, 2, 100000]}', "prompt", "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [100000]}', "stop_token_ids", "outside the vocabulary"),
+])
+def test_every_mistake_is_a_400_naming_its_field(server, path, raw, param, words):
+    error = error_of(post(server, path, raw), 400)
+    assert words in error["message"] and error["param"] == param, error
+    assert "SamplingParams" not in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_media_types(server):
+    error = error_of(post(server, "/v1/completions", b"prompt=hi", content_type="application/x-www-form-urlencoded"),
+                     415)
+    assert "application/json" in error["message"]
+    body = b'{"prompt": [1, 2], "max_tokens": 2}'
+    assert post(server, "/v1/completions", body, content_type=None).status_code == 200  # (curl -d sends none)
+    assert post(server, "/v1/completions", body, content_type="application/json; charset=utf-8").status_code == 200
+
+
+def test_the_openapi_document_lists_the_real_errors_and_bodies(server):
+    document = httpx.get(server.url + "/openapi.json").json()
+    for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        operation = document["paths"][path]["post"]
+        assert {"200", "400", "401", "404", "413", "415", "503"} <= set(operation["responses"])
+        assert "422" not in operation["responses"]  # (FastAPI's own validation is not used)
+        schema = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert field in schema["required"] and "$ref" not in json.dumps(schema)
+
+
+# ---- admission ---------------------------------------------------------------------------------
+def test_admission_counts_sequences(server):
+    """--max-queued-requests 8: a call of 9 sequences could never be queued (a 400 saying so, not a
+    retryable 503), whether as 9 prompts or as n=9; 8 prompts on an idle server are fine."""
+    error = error_of(http(server, "POST", "/v1/completions", json={"prompt": ["a"] * 9, "max_tokens": 1}), 400)
+    assert error["param"] == "prompt" and "9 sequences" in error["message"]
+    error = error_of(http(server, "POST", "/v1/completions", json={"prompt": "a", "n": 9, "max_tokens": 1}), 400)
+    assert error["param"] == "n" and "9 sequences" in error["message"]
+    response = http(server, "POST", "/v1/completions", json={"prompt": ["a"] * 8, "max_tokens": 1})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 8
+
+
+# ---- SIGTERM under load --------------------------------------------------------------------------
+def parse_raw_response(data: bytes) -> tuple[int, dict, bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def complete_or_explicit(status: int, content_type: str, body: bytes, stream: bool) -> str:
+    """What a client got: "complete", "error" (an OpenAI-shaped error: a JSON 503, or a stream's
+    error event before its [DONE]), or what was wrong with it."""
+    if status != 200:
+        if status == 503 and content_type.startswith("application/json") and "error" in json.loads(body):
+            return "error"
+        return f"status {status} {content_type}: {body[:200]!r}"
+    if not stream:
+        reply = json.loads(body)
+        return "complete" if reply["choices"] and all(c["finish_reason"] for c in reply["choices"]) else "cut"
+    if not body.endswith(b"data: [DONE]\n\n"):
+        return f"cut stream: {body[-200:]!r}"
+    events = [json.loads(e[6:]) for e in body.decode().split("\n\n") if e.startswith("data: {")]
+    if "error" in events[-1]:
+        return "error" if events[-1]["error"]["code"] == 503 else f"error event {events[-1]}"
+    return "complete" if any(c.get("finish_reason") for c in events[-1]["choices"]) else "cut"
+
+
+async def sigterm_under_load(server, n_streams=24, n_whole=24, n_uploading=16) -> tuple[float, list[str]]:
+    """64 clients: streams and whole responses under way, uploads half sent (one never finished);
+    SIGTERM; the uploads send the rest. Returns the seconds to exit and what each client got."""
+    signalled, uploads_sent = asyncio.Event(), []
+
+    async def streaming(client, i):
+        body = {"prompt": [i + 1, 5], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            data = b"".join([chunk async for chunk in response.aiter_bytes()])
+            return complete_or_explicit(response.status_code, response.headers["content-type"], data, True)
+
+    async def whole(client, i):
+        response = await client.post("/v1/completions", json={"prompt": [i + 1, 6], "max_tokens": 400,
+                                                               "ignore_eos": True})
+        return complete_or_explicit(response.status_code, response.headers["content-type"], response.content, False)
+
+    async def uploading(i, finish: bool):
+        body = json.dumps({"prompt": [i + 1, 7], "max_tokens": 8}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body[:10])
+        await writer.drain()
+        uploads_sent.append(i)
+        await signalled.wait()
+        if finish:
+            writer.write(body[10:])
+            await writer.drain()
+        data = await reader.read()
+        writer.close()
+        if not data:
+            return "cut: no response"
+        status, headers, content = parse_raw_response(data)
+        return complete_or_explicit(status, headers.get("content-type", ""), content, False)
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=httpx.Limits(max_connections=100)) as client:
+        tasks = [asyncio.create_task(streaming(client, i)) for i in range(n_streams)]
+        tasks += [asyncio.create_task(whole(client, i)) for i in range(n_whole)]
+        tasks += [asyncio.create_task(uploading(i, finish=i > 0)) for i in range(n_uploading)]
+        while len(uploads_sent) < n_uploading or server.metrics()["nanovllm:num_requests_running"] < 40:
+            await asyncio.sleep(0.02)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        signalled.set()
+        results = await asyncio.gather(*tasks)
+        while server.proc.poll() is None and time.monotonic() - start < 10:
+            await asyncio.sleep(0.01)
+        return time.monotonic() - start, results
+
+
+def test_sigterm_under_load_answers_every_client_and_exits_promptly(model, tmp_path):
+    for repeat in range(SIGTERM_REPEATS):
+        server = Server(model, tmp_path / f"server{repeat}.log", max_model_len=512)
+        try:
+            seconds, results = asyncio.run(sigterm_under_load(server))
+            assert server.proc.wait(10) == 0, server.log()
+        finally:
+            server.stop()
+        wrong = [r for r in results if r not in ("complete", "error")]
+        print(f"SIGTERM {repeat}: exit in {seconds:.2f} s; {results.count('error')} errors, "
+              f"{results.count('complete')} complete, {len(wrong)} wrong")
+        assert not wrong, wrong
+        assert len(results) == 64 and results[-16:].count("error") == 16  # the uploads: refused (503)
+        assert seconds < 2 and "Traceback" not in server.log()

@@ -1,0 +1,112 @@
+"""Schema-driven fuzzing of the server: request bodies generated from the server's own OpenAPI
+document (hypothesis-jsonschema), the same bodies with one field replaced by arbitrary JSON, and
+arbitrary JSON; each is sent to a real `nanovllm serve` and must get a status below 500 (a 200
+stream must end with `data: [DONE]`). Afterwards the server is healthy, has no work left, and
+still answers as the engine does. NANOVLLM_FUZZ_EXAMPLES sets the examples per endpoint (500:
+1,000 requests in all, the issue's target); they are derandomized, so CI sends the same requests
+every run, unless NANOVLLM_FUZZ_RANDOM is set."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+httpx = pytest.importorskip("httpx", reason="httpx is not installed")
+hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema", reason="hypothesis-jsonschema is not installed")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.utils.tiny_model import build_model  # noqa: E402
+from serving import Server, wait_for  # noqa: E402
+
+EXAMPLES = int(os.environ.get("NANOVLLM_FUZZ_EXAMPLES", "500"))
+MAX_LEN = 64  # so that any accepted request is quick to run
+NAME = "fuzzed"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+statuses: dict[int, int] = {}  # what the fuzz got, for the report
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(str(tmp_path_factory.mktemp("fuzz")), chat_template=True, max_position_embeddings=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = Server(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", NAME,
+               "--max-queued-requests", "64", max_model_len=MAX_LEN)
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def request_bodies(path: str) -> st.SearchStrategy:
+    """Bodies for `path`: valid ones from the server's own schema, those with one field replaced
+    by arbitrary JSON, and arbitrary JSON."""
+    schema = SCHEMAS[path]
+    text = st.text(st.characters(exclude_categories=[]))  # (lone surrogates included)
+    json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+                               lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+                               max_leaves=8)
+    valid = hypothesis_jsonschema.from_schema(schema)
+    one_field_wrong = st.tuples(valid, st.sampled_from(sorted(schema["properties"])), json_values).map(
+        lambda t: {**t[0], t[1]: t[2]})
+    return st.one_of(valid, one_field_wrong, json_values)
+
+
+SCHEMAS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def schemas(server):
+    """The request bodies' schemas, from the server's OpenAPI document."""
+    document = httpx.get(server.url + "/openapi.json").json()
+    for path in ENDPOINTS:
+        SCHEMAS[path] = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+def send(client, path: str, body) -> int:
+    raw = json.dumps(body).encode()  # (an infinite float is written as Infinity: not JSON, a 400)
+    headers = {"Content-Type": "application/json"}
+    if isinstance(body, dict) and body.get("stream") is True:
+        with client.stream("POST", path, content=raw, headers=headers) as response:
+            data = response.read()
+        if response.status_code == 200:
+            assert data.endswith(b"data: [DONE]\n\n"), (body, data[-300:])
+    else:
+        response = client.post(path, content=raw, headers=headers)
+    statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+    assert response.status_code < 500, (path, body, response.text[:500])
+    return response.status_code
+
+
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="NANOVLLM_FUZZ_RANDOM" not in os.environ,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_fuzzed_requests_get_no_5xx(client, path):
+    @FUZZ
+    @given(body=st.deferred(lambda: request_bodies(path)))
+    def one(body):
+        send(client, path, body)
+    one()
+    print(f"{path}: statuses {dict(sorted(statuses.items()))}")
+
+
+def test_the_server_is_healthy_after_the_fuzz(server, client, model):
+    assert client.get("/health").status_code == 200
+    assert wait_for(lambda: server.metrics()["nanovllm:num_requests_running"] == 0, timeout=30)
+    assert wait_for(lambda: server.metrics()["nanovllm:kv_cache_usage_perc"] == 0)
+    with LLM(model, max_model_len=MAX_LEN) as llm:
+        expected = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                use_tqdm=False)[0]
+    reply = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0,
+                                                 "ignore_eos": True}).json()
+    assert reply["choices"][0]["text"] == expected["text"]
