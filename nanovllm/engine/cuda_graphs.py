@@ -1,4 +1,5 @@
 import bisect
+from time import perf_counter
 
 import torch
 
@@ -47,6 +48,7 @@ class DecodeGraphs:
                  sizes: list[int] | None = None):
         """sizes: the batch sizes to capture, graph_batch_sizes(max_batch) by default (a subset, e.g.
         [max_batch] alone, to measure what capture costs)."""
+        start = perf_counter()
         device = token_table.device
         self.model, self.token_table, self.block_tables = model, token_table, block_tables
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -69,6 +71,7 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.synchronize(device)
+        self.capture_s = perf_counter() - start  # for the start-up summary
 
     def forward(self, size: int):
         """The decode step of the first `size` rows of the static inputs (what a graph captures)."""
