@@ -1,5 +1,5 @@
-"""Logging: the start-up summary through the `nanovllm` logger, and its default stderr handler (and
-when nanovllm leaves logging alone)."""
+"""Logging: the start-up summary through the `nanovllm` logger, the default stderr handler (and
+when nanovllm leaves logging alone), and the progress bar over weight shards."""
 import logging
 import os
 import subprocess
@@ -59,3 +59,12 @@ def test_default_handler_only_where_the_application_configured_none(model_dir, c
     else:  # through the application's handler, once
         assert out.stdout.split() == ["0", "True"]
         assert len(summaries) == 1 and summaries[0].startswith("APP Maximum concurrency"), out.stderr
+
+
+def test_shard_progress_bar_shows_only_when_loading_takes_a_while(model_dir, capsys, caplog, monkeypatch):
+    with caplog.at_level(logging.INFO, logger="nanovllm"):
+        LLM(model_dir, max_model_len=MAX_LEN, max_num_seqs=2).shutdown()  # a tiny model: loaded at once
+        assert "Loading safetensors shards" not in capsys.readouterr().err
+        monkeypatch.setattr("nanovllm.utils.logging.PROGRESS_DELAY_S", 0)  # as if it took longer than the delay
+        LLM(model_dir, max_model_len=MAX_LEN, max_num_seqs=2).shutdown()
+        assert "Loading safetensors shards: 100%" in capsys.readouterr().err

@@ -173,7 +173,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             load_dummy(self.model)
         else:
-            load_model(self.model, config.model)
+            load_model(self.model, config.model, show_progress=self.rank == 0)
         if self.rank == 0:
             logger.info("Loading weights (load_format=%s) took %.2f s", config.load_format, perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -200,7 +200,8 @@ class ModelRunner:
         max_batch = self.graph_sizes[-1]
         return DecodeGraphs(self.model, self.token_table, self.block_tables, self.block_size, self.scratch_row,
                             max_batch, self.config.max_model_len, self.config.hf_config.hidden_size,
-                            self.config.dtype, sizes=[max_batch] if largest_only else None)
+                            self.config.dtype, sizes=[max_batch] if largest_only else None,
+                            show_progress=self.rank == 0 and not largest_only)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:

@@ -12,10 +12,14 @@ import logging
 import os
 import sys
 
+from tqdm.auto import tqdm
+
 LOGGER_NAME = "nanovllm"
 CONFIGURE_ENV = "NANOVLLM_CONFIGURE_LOGGING"
 FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
+# A progress bar shows only once its loop has run this long: a quick load or capture prints nothing.
+PROGRESS_DELAY_S = 1.0
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -34,6 +38,13 @@ def configure_logging(level: str | int | None = None):
     logger.propagate = False
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def progress(iterable, desc: str, enabled: bool = True, **kwargs):
+    """A tqdm bar over iterable, on stderr, shown after PROGRESS_DELAY_S; off where `enabled` is
+    False (ranks above 0) or the `nanovllm` logger is quieter than INFO (--log-level warning)."""
+    return tqdm(iterable, desc=desc, delay=PROGRESS_DELAY_S, file=sys.stderr, dynamic_ncols=True,
+                disable=not (enabled and logger.isEnabledFor(logging.INFO)), **kwargs)
 
 
 def format_bytes(num_bytes: int) -> str:
