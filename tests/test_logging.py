@@ -1,5 +1,5 @@
 """Logging: the start-up summary through the `nanovllm` logger, the default stderr handler (and
-when nanovllm leaves logging alone), and the progress bar over weight shards."""
+when nanovllm leaves logging alone), the progress bar over weight shards, and the CLI's --log-level."""
 import logging
 import os
 import subprocess
@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from nanovllm import LLM
+from nanovllm.cli import build_parser
+from nanovllm.utils.tiny_model import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -19,6 +21,10 @@ def run_python(code: str, env: dict | None = None, **kwargs) -> subprocess.Compl
                          env={**ENV, **(env or {})}, **kwargs)
     assert out.returncode == 0, out.stderr
     return out
+
+
+def info_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("INFO ")]
 
 
 def test_start_up_summary_is_logged_once_at_info(model_dir, caplog):
@@ -68,3 +74,31 @@ def test_shard_progress_bar_shows_only_when_loading_takes_a_while(model_dir, cap
         monkeypatch.setattr("nanovllm.utils.logging.PROGRESS_DELAY_S", 0)  # as if it took longer than the delay
         LLM(model_dir, max_model_len=MAX_LEN, max_num_seqs=2).shutdown()
         assert "Loading safetensors shards: 100%" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    return build_model(str(tmp_path_factory.mktemp("chat")), chat_template=True, max_position_embeddings=64)
+
+
+def run_chat(model: str, *flags: str) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "nanovllm", "chat", model, "--max-model-len", "64", *flags],
+                         input="/exit\n", capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_chat_log_goes_to_stderr_at_the_chosen_level(chat_model):
+    default = run_chat(chat_model)
+    assert any("Maximum concurrency" in line for line in info_lines(default.stderr)), default.stderr
+    assert "INFO" not in default.stdout, default.stdout  # the chat's own output stays clean
+    quiet = run_chat(chat_model, "--log-level", "warning")
+    assert not info_lines(quiet.stderr), quiet.stderr
+
+
+def test_cli_logging_flags():
+    parser = build_parser()
+    serve = parser.parse_args(["serve", "m"])
+    assert serve.log_level == "info" and serve.disable_log_requests is False
+    assert parser.parse_args(["serve", "m", "--disable-log-requests"]).disable_log_requests is True
+    assert parser.parse_args(["chat", "m", "--log-level", "debug"]).log_level == "debug"
