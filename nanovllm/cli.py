@@ -13,6 +13,13 @@ import sys
 
 from nanovllm.entrypoints.args import add_llm_arguments
 from nanovllm.entrypoints.chat import chat
+from nanovllm.utils.logging import configure_logging
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+def add_log_level_argument(parser: argparse.ArgumentParser, help_text: str):
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "for a 128k-token context as JSON token ids)")
     serve_parser.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
     serve_parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
-    serve_parser.add_argument("--log-level", default="warning",
-                              choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
+    add_log_level_argument(serve_parser, "the level of nanovllm's log (on stderr) and of uvicorn's")
+    serve_parser.add_argument("--disable-log-requests", action="store_true",
+                              help="no access-log line per HTTP request (uvicorn's access log)")
     add_llm_arguments(serve_parser)
 
     chat_parser = commands.add_parser("chat", help="an interactive chat in the terminal",
@@ -48,12 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat_parser.add_argument("--top-p", type=float, default=1.0)
     chat_parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
     chat_parser.add_argument("--seed", type=int, default=None)
+    add_log_level_argument(chat_parser, "the level of nanovllm's log, on stderr (the chat is on stdout)")
     add_llm_arguments(chat_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     try:
         return run(args)
     except (ValueError, TypeError) as e:  # a bad option (the engine's and SamplingParams' errors say which)

@@ -1,8 +1,10 @@
 import bisect
+from time import perf_counter
 
 import torch
 
 from nanovllm.utils.context import Context, forward_context
+from nanovllm.utils.logging import progress
 
 # Decode batches above this run eagerly: at that size the step is compute-bound and launch
 # overhead, which graphs remove, is a small share of it.
@@ -44,9 +46,11 @@ class DecodeGraphs:
 
     def __init__(self, model, token_table: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                  scratch_row: int, max_batch: int, max_model_len: int, hidden_size: int, dtype: torch.dtype,
-                 sizes: list[int] | None = None):
+                 sizes: list[int] | None = None, show_progress: bool = False):
         """sizes: the batch sizes to capture, graph_batch_sizes(max_batch) by default (a subset, e.g.
-        [max_batch] alone, to measure what capture costs)."""
+        [max_batch] alone, to measure what capture costs). show_progress: a bar over the sizes when
+        capture takes more than a moment."""
+        start = perf_counter()
         device = token_table.device
         self.model, self.token_table, self.block_tables = model, token_table, block_tables
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -61,7 +65,9 @@ class DecodeGraphs:
         # Under inference mode, as every step runs (ModelRunner.launch): otherwise autograd would
         # record the captured forward and keep its activations alive in the graphs' pool.
         with torch.inference_mode():
-            for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            # largest first: smaller graphs reuse its pool
+            for size in progress(reversed(self.sizes), "Capturing CUDA graphs", enabled=show_progress,
+                                 total=len(self.sizes), unit="graph"):
                 graph = torch.cuda.CUDAGraph()
                 self.forward(size)  # warm-up: compiles the kernels outside the capture
                 with torch.cuda.graph(graph, pool):
@@ -69,6 +75,7 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[size] = graph
         torch.cuda.synchronize(device)
+        self.capture_s = perf_counter() - start  # for the start-up summary
 
     def forward(self, size: int):
         """The decode step of the first `size` rows of the static inputs (what a graph captures)."""

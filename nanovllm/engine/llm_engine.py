@@ -1,4 +1,5 @@
 import json
+import logging
 import operator
 import os
 import random
@@ -15,6 +16,9 @@ from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.workers import Workers
 from nanovllm.sampling_params import SamplingParams, is_integer
+from nanovllm.utils.logging import configure_logging, format_bytes
+
+logger = logging.getLogger(__name__)
 
 FINISHED, STATUS_OF = SequenceStatus.FINISHED, operator.attrgetter("status")
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
@@ -62,6 +66,7 @@ class LLMEngine:
     (and, with tensor parallelism, the worker processes of ranks 1..)."""
 
     def __init__(self, config: Config):
+        configure_logging()  # (here, not on import: an application configures its logging first)
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         eos = config.eos_token_ids
@@ -76,6 +81,24 @@ class LLMEngine:
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
+        self._log_summary()
+
+    def _log_summary(self):
+        """The start-up summary, what a deployment is sized by, read from what the engine runs with.
+        (The engine lives on rank 0, ranks above 0 are workers: it is logged once.)"""
+        c, runner, num_blocks = self.config, self.model_runner, self.block_manager.num_blocks
+        per_rank = " per rank" if c.tensor_parallel_size > 1 else ""
+        num_tokens = num_blocks * c.block_size
+        graphs = runner.graphs
+        logger.info("Model %s: %s, dtype %s, device %s, attention backend %s, tensor_parallel_size %d",
+                    c.model, type(runner.model).__name__, str(c.dtype).removeprefix("torch."), c.device,
+                    c.attention_backend, c.tensor_parallel_size)
+        logger.info("Weights: %s%s. KV cache: %d blocks x %d tokens = %d tokens, %s%s",
+                    format_bytes(sum(p.nbytes for p in runner.model.parameters())), per_rank, num_blocks,
+                    c.block_size, num_tokens, format_bytes(runner.kv_cache.nbytes), per_rank)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx. CUDA graphs: %s", c.max_model_len,
+                    num_tokens / c.max_model_len,
+                    f"{len(graphs.sizes)} batch sizes captured in {graphs.capture_s:.1f} s" if graphs else "off")
 
     # ---- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:

@@ -1,3 +1,4 @@
+import logging
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -16,6 +17,8 @@ from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
 from nanovllm.utils.loader import load_dummy, load_model
 from nanovllm.utils.parallel import TPGroup, tensor_parallel
+
+logger = logging.getLogger(__name__)
 
 # On CPU there is no memory to measure: without num_kvcache_blocks the KV cache gets this many
 # bytes (capped, like the GPU's budget, at what max_num_seqs full-length sequences could use).
@@ -166,10 +169,13 @@ class ModelRunner:
         model_class = resolve_model_class(config.hf_config, config.max_model_len)
         with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
             self.model = model_class(config.hf_config, config.max_model_len)
+        start = perf_counter()
         if config.load_format == "dummy":
             load_dummy(self.model)
         else:
-            load_model(self.model, config.model)
+            load_model(self.model, config.model, show_progress=self.rank == 0)
+        if self.rank == 0:
+            logger.info("Loading weights (load_format=%s) took %.2f s", config.load_format, perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_backend(config.attention_backend, config.device)
         for layer in self.attention_layers:
@@ -194,7 +200,8 @@ class ModelRunner:
         max_batch = self.graph_sizes[-1]
         return DecodeGraphs(self.model, self.token_table, self.block_tables, self.block_size, self.scratch_row,
                             max_batch, self.config.max_model_len, self.config.hf_config.hidden_size,
-                            self.config.dtype, sizes=[max_batch] if largest_only else None)
+                            self.config.dtype, sizes=[max_batch] if largest_only else None,
+                            show_progress=self.rank == 0 and not largest_only)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:

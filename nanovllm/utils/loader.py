@@ -6,6 +6,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nanovllm.utils.logging import progress
+
 # Checkpoint tensors that hold no weights: old checkpoints saved RoPE's inverse frequencies.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 # Dummy weights: small uniform values keep activations finite through any depth; throughput does
@@ -51,7 +53,7 @@ def load_param(model: nn.Module, name: str, param: nn.Parameter, loaded: torch.T
         (loader or default_weight_loader)(param, loaded)
 
 
-def load_model(model: nn.Module, path: str):
+def load_model(model: nn.Module, path: str, show_progress: bool = True):
     """Copy every checkpoint tensor into its parameter through its module's weight_loader.
 
     Checkpoint names are Hugging Face's; the model's `checkpoint_target(name)` redirects the parts
@@ -59,7 +61,8 @@ def load_model(model: nn.Module, path: str):
     id. Raises ValueError when a file cannot be read, a tensor's shape is not the one config.json
     implies, a parameter (or a part of a packed one that says so: `missing_shards()`) gets no
     weight, or a checkpoint tensor has no parameter to go to (a model option this implementation
-    does not know would otherwise be silently dropped).
+    does not know would otherwise be silently dropped). show_progress: a bar over the shards when
+    loading takes more than a moment (rank 0 only: every rank reads every shard).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -67,7 +70,7 @@ def load_model(model: nn.Module, path: str):
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for file in files:
+    for file in progress(files, "Loading safetensors shards", enabled=show_progress, unit="shard"):
         try:
             f = safe_open(file, "pt", "cpu")
         except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable
