@@ -39,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                               help="refuse a larger body with 413, before parsing it (default: 8 MiB, room "
                                    "for a 128k-token context as JSON token ids)")
-    serve_parser.add_argument("--disable-log-requests", action="store_true", help="no access log line per request")
     serve_parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
     add_log_level_argument(serve_parser, "the level of nanovllm's log (on stderr) and of uvicorn's")
     serve_parser.add_argument("--disable-log-requests", action="store_true",
