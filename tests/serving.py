@@ -68,6 +68,14 @@ class Server:
         return self.proc.returncode
 
 
+def module_server(model: str, tmp_path_factory, *flags: str, max_model_len: int):
+    """A test module's server (for a module-scoped fixture to `yield from`): started, handed over,
+    and checked to exit with status 0 when the module is done."""
+    server = Server(model, tmp_path_factory.mktemp("log") / "server.log", *flags, max_model_len=max_model_len)
+    yield server
+    assert server.stop() == 0, server.log()
+
+
 def http(server, method: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     return httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)

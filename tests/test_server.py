@@ -19,9 +19,9 @@ pytest.importorskip("prometheus_client", reason="the serve extra (prometheus-cli
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import KEY, ROOT, Server, error_of, http, wait_for  # noqa: E402
+from nanovllm import LLM, SamplingParams# noqa: E402
+from nanovllm.utils.tiny_model import build_model# noqa: E402
+from serving import KEY, ROOT, Server, error_of, http, module_server, wait_for  # noqa: E402
 
 NAME = "tiny-chat"
 MAX_LEN = 2048  # a request this long runs for seconds: long enough to disconnect from, or queue behind
@@ -35,10 +35,8 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
-    s = Server(chat_model, tmp_path_factory.mktemp("log") / "server.log", "--api-key", KEY,
-               "--served-model-name", NAME)
-    yield s
-    assert s.stop() == 0, s.log()
+    yield from module_server(chat_model, tmp_path_factory, "--api-key", KEY, "--served-model-name", NAME,
+                             max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -371,11 +369,14 @@ def test_tensor_parallel_server_with_the_key_from_the_environment(plain_model, t
     assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), timeout=15)
 
 
-def test_sigint_exits_cleanly_too(plain_model, tmp_path):
-    server = Server(plain_model, tmp_path / "server.log")
-    server.proc.send_signal(signal.SIGINT)
-    assert server.proc.wait(10) == 0, server.log()
-    assert "Traceback" not in server.log()
+def test_sigint_exits_cleanly_too_and_the_access_log_is_optional(server, plain_model, tmp_path):
+    assert '"POST /v1/completions HTTP/1.1" 200' in server.log()  # (the module's server logs each request)
+    quiet = Server(plain_model, tmp_path / "server.log", "--disable-log-requests")
+    assert httpx.post(quiet.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    assert "POST /v1/completions" not in quiet.log()
+    quiet.proc.send_signal(signal.SIGINT)
+    assert quiet.proc.wait(10) == 0, quiet.log()
+    assert "Traceback" not in quiet.log()
 
 
 # ---- the serving benchmark and the chat CLI ----------------------------------------------------

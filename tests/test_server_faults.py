@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -14,8 +15,8 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import KEY, Server, error_of, http  # noqa: E402
+from nanovllm.utils.tiny_model import build_model# noqa: E402
+from serving import KEY, Server, error_of, http, module_server  # noqa: E402
 
 MAX_LEN = 8192  # long enough for a stream to outlast a 10 MB prompt's tokenization
 LIMIT = 16 * 2**20  # this server's --max-request-bytes: a 10 MB prompt gets through, to be tokenized
@@ -29,10 +30,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    s = Server(model, tmp_path_factory.mktemp("log") / "server.log", "--api-key", KEY, "--max-request-bytes",
-               str(LIMIT), "--max-queued-requests", "8", max_model_len=MAX_LEN)
-    yield s
-    assert s.stop() == 0, s.log()
+    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--max-request-bytes", str(LIMIT),
+                             "--max-queued-requests", "8", max_model_len=MAX_LEN)
 
 
 def post(server, path: str, content: bytes, key: str | None = KEY, content_type: str | None = "application/json"):
@@ -89,6 +88,12 @@ def test_the_key_is_checked_before_the_body_is_read(server):
     error = error_of(post(server, "/v1/completions", b'{"prompt": "hi",', key=None), 401)
     assert error["type"] == "authentication_error"
     error_of(post(server, "/v1/completions", b" " * (LIMIT + 10), key="wrong"), 401)  # (not 413: the key first)
+    for key in (None, KEY):  # a client that waits for "100 Continue" hears 401 or 413 without sending its body
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
+            authorization = f"Authorization: Bearer {key}\r\n" if key else ""
+            connection.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               f"{authorization}Content-Length: {LIMIT * 4}\r\nExpect: 100-continue\r\n\r\n".encode())
+            assert connection.recv(100).startswith(b"HTTP/1.1 401" if key is None else b"HTTP/1.1 413")
 
 
 # ---- every mistake a 4xx naming its field ----------------------------------------------------

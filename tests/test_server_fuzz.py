@@ -13,11 +13,11 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema", reason="hypothesis-jsonschema is not installed")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st# noqa: E402
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import Server, wait_for  # noqa: E402
+from nanovllm import LLM, SamplingParams# noqa: E402
+from nanovllm.utils.tiny_model import build_model# noqa: E402
+from serving import module_server, wait_for  # noqa: E402
 
 EXAMPLES = int(os.environ.get("NANOVLLM_FUZZ_EXAMPLES", "500"))
 MAX_LEN = 64  # so that any accepted request is quick to run
@@ -33,10 +33,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    s = Server(model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", NAME,
-               "--max-queued-requests", "64", max_model_len=MAX_LEN)
-    yield s
-    assert s.stop() == 0, s.log()
+    yield from module_server(model, tmp_path_factory, "--served-model-name", NAME, "--max-queued-requests", "64",
+                             max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")

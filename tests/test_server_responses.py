@@ -15,9 +15,9 @@ pytest.importorskip("prometheus_client", reason="the serve extra (prometheus-cli
 openai = pytest.importorskip("openai", reason="the openai client is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
 
-from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import KEY, Server, http  # noqa: E402
+from nanovllm import LLM, SamplingParams# noqa: E402
+from nanovllm.utils.tiny_model import build_model# noqa: E402
+from serving import KEY, http, module_server  # noqa: E402
 
 NAME = "tiny-chat"
 MAX_LEN = 256  # short requests only: a small KV cache, a fast start
@@ -31,10 +31,8 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
-    s = Server(chat_model, tmp_path_factory.mktemp("log") / "server.log", "--api-key", KEY,
-               "--served-model-name", NAME, max_model_len=MAX_LEN)
-    yield s
-    assert s.stop() == 0, s.log()
+    yield from module_server(chat_model, tmp_path_factory, "--api-key", KEY, "--served-model-name", NAME,
+                             max_model_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")

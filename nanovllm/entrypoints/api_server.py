@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 CREATED = int(time.time())  # the served model's `created`
 SHUTDOWN_GRACE = 0.5  # seconds a request still uploading is given, once shutdown starts
 RETRY_AFTER = {"Retry-After": "1"}
+DISCARD_LIMIT = 64 * 2**20  # the most of a refused body the Gate reads (to drop it) before it answers
 
 
 class APIError(Exception):
@@ -97,8 +98,8 @@ class Gate:
     memory; a request still uploading when shutdown starts gets a 503 within SHUTDOWN_GRACE. The
     body read here is handed on to the app. (A refused body is still read to its end, up to
     DISCARD_LIMIT, and dropped: closing a connection in mid-upload makes clients see a reset
-    instead of the answer.)"""
-    DISCARD_LIMIT = 64 * 2**20
+    instead of the answer; unless the client asked "Expect: 100-continue", and so sends no body
+    before it hears from us.)"""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
@@ -108,17 +109,20 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        # (a client that sent "Expect: 100-continue" waits for our word before sending the body)
+        discard = DISCARD_LIMIT if "100-continue" not in headers.get("expect", "").lower() else 0
         if scope["path"].startswith("/v1") and not self._authorized(headers):
             return await self._refuse(APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
-                                               "authentication_error", code="invalid_api_key"), scope, receive, send)
+                                               "authentication_error", code="invalid_api_key"), discard,
+                                      scope, receive, send)
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
-            return await self._refuse(self._too_large(int(declared)), scope, receive, send)
+            return await self._refuse(self._too_large(int(declared)), discard, scope, receive, send)
         body, more = await self._read(receive, self.max_request_bytes)
         if more is None:
             return await shutting_down().response()(scope, receive, send)
         if more:
-            return await self._refuse(self._too_large(len(body) + len(more)), scope, receive, send)
+            return await self._refuse(self._too_large(len(body) + len(more)), DISCARD_LIMIT, scope, receive, send)
 
         replayed = False
 
@@ -140,8 +144,10 @@ class Gate:
         return APIError(413, f"the body is {size} bytes, more than the {self.max_request_bytes} this server takes "
                              "(--max-request-bytes)", "invalid_request_error")
 
-    async def _refuse(self, error: APIError, scope, receive, send):
-        await self._read(receive, self.DISCARD_LIMIT, keep=False)
+    async def _refuse(self, error: APIError, discard: int, scope, receive, send):
+        """Answer with error, after reading up to `discard` bytes of the body and dropping them."""
+        if discard:
+            await self._read(receive, discard, keep=False)
         await error.response()(scope, receive, send)
 
     async def _read(self, receive, limit: int, keep: bool = True) -> tuple[bytes, bytes | None]:
