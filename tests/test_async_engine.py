@@ -200,6 +200,37 @@ def test_calls_are_admitted_in_turn(model_dir):
     assert len(order) == 13 and order.index(("small", 0)) <= 6, order
 
 
+def test_held_requests_are_dropped_by_abort_and_ended_by_abort_all(model_dir):
+    """With one sequence slot, one prompt waits in the engine and the rest are held by the engine
+    thread: abort() drops a held one (its client went away), abort_all() ends every one, held or
+    not, with its last update."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+    engine = AsyncEngine(llm)
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        async def until(condition):
+            for _ in range(500):
+                if condition():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(engine.stats)
+        running = engine.submit_all([[1, 2]], [long])
+        await until(lambda: engine.stats["num_running"] == 1)
+        held = engine.submit_all([[3, 4], [5, 6], [7, 8]], [long] * 3)
+        await until(lambda: engine.stats["num_waiting"] == 3)
+        assert len(llm.scheduler.waiting) == 1  # (the other two are held)
+        engine.abort(held[2])
+        await until(lambda: engine.stats["num_waiting"] == 2)
+        engine.abort_all()
+        return [u["finish_reason"] for call in (running, held[:2]) async for _, u in updates(call) if u["finished"]]
+    try:
+        assert asyncio.run(main()) == ["abort"] * 3
+    finally:
+        engine.shutdown()
+    assert all_blocks_free(llm)
+
+
 def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):
     def broken_step():
         raise RuntimeError("the device fell off")

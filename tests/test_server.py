@@ -332,8 +332,8 @@ def test_queue_limit_no_template_and_sigterm(plain_model, tmp_path):
             next(line for line in lines if line.startswith("data:"))  # it runs, in the one sequence slot
             with httpx.stream("POST", server.url + "/v1/completions", json=long, timeout=30) as waiting:
                 assert wait_for(lambda: server.metrics()["nanovllm:num_requests_waiting"] == 1)
-                error = error_of(httpx.post(server.url + "/v1/completions", json={"prompt": "b"}, timeout=30), 503)
-                assert "max-queued-requests" in error["message"]
+                full = httpx.post(server.url + "/v1/completions", json={"prompt": "b"}, timeout=30)
+                assert "max-queued-requests" in error_of(full, 503)["message"] and full.headers["retry-after"] == "1"
                 assert waiting.status_code == 200
                 # SIGTERM with both in flight: each stream ends with an error event, then [DONE]
                 start = time.monotonic()

@@ -292,7 +292,7 @@ class AsyncEngine:
         """Hand held requests to the engine, one call's next request at a time, calls in turn,
         while fewer than max_num_seqs sequences wait in the engine: as many as a step could admit,
         so the engine never runs short, and a later call waits behind at most that many."""
-        while self._held and self.llm.scheduler.num_waiting_samples() < self.llm.config.max_num_seqs:
+        while self._held and self.llm.stats()["num_waiting"] < self.llm.config.max_num_seqs:
             call = self._held.popleft()
             self._add(call.popleft())
             if call:
