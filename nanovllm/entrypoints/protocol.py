@@ -90,10 +90,10 @@ class SamplingRequest(BaseModel):
         except (ValueError, TypeError) as e:
             raise self.bad_request(e) from e
 
-    def bad_request(self, error: Exception, param: str | None = None) -> BadRequest:
+    def bad_request(self, error: Exception) -> BadRequest:
         """The engine's or SamplingParams' error as a BadRequest naming this endpoint's field: they
-        name a parameter as `SamplingParams.<name>` (param: the field, when the error names none)."""
-        message = str(error)
+        name a parameter as `SamplingParams.<name>`."""
+        message, param = str(error), None
         named = re.search(r"SamplingParams\.(\w+)", message)
         if named is not None:
             param = named.group(1)
