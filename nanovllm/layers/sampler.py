@@ -242,6 +242,17 @@ class SamplingBatch:
     all_greedy: bool = False                    # no row samples: skip the noise and softmax
 
 
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The float32 logits with the batch's penalties applied and its banned tokens (min_tokens)
+    at -inf: what greedy takes the argmax of, and temperature scales (the rejection sampler's
+    target distribution too)."""
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, *batch.penalties)
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))  # a device fill: no sync
+    return logits
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> the first index of each row's maximum, int64 [B]. On CPU through numpy,
     whose argmax is vectorized (about 10x torch's single-threaded one at [256, 512]); the same
@@ -262,10 +273,7 @@ class Sampler(nn.Module):
         logprobs = redo = raw = None
         if batch.num_logprobs is not None:
             raw = torch.log_softmax(logits, -1)
-        if batch.penalties is not None:
-            logits = apply_penalties(logits, *batch.penalties)
-        if batch.banned is not None:
-            logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))  # a device fill: no sync
+        logits = processed_logits(logits, batch)
         tokens = greedy(logits)
         if not batch.all_greedy:
             sampling = batch.temperatures > 0

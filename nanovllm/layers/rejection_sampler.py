@@ -1,0 +1,95 @@
+"""Speculative decoding's verification: given each sequence's draft tokens and the target model's
+logits at the drafts' positions (plus one), how many drafts the target accepts and the token that
+follows them, for the whole batch in one vectorized pass (no Python loop over rows, no host sync).
+
+The rule (Leviathan et al. 2023, Chen et al. 2023) makes the output exactly as likely as the
+target's own sampling. A draft token x, proposed with probability q(x), is accepted with
+probability min(1, p(x) / q(x)), where p is the target's distribution after the same processing
+as plain sampling (penalties, banned tokens, temperature, top-k, top-p, min-p: target_probs). The
+first rejected position draws from normalize(max(p - q, 0)) instead, and drafts after it are
+dropped; when every draft is accepted, a bonus token is drawn from p at the position after them.
+An n-gram draft is deterministic (q one-hot at x): it is accepted with probability p(x), and a
+rejection draws from p without x. Greedy rows (temperature 0) accept while the target's argmax
+equals the draft, and take the argmax next: greedy output is the same with or without drafts.
+
+Row layout: sequence b owns lengths[b] + 1 consecutive target rows, sequences in order (R =
+sum(lengths + 1)): its row j < lengths[b] verifies draft j; its last row gives the bonus token.
+
+Reproducible per request: the uniforms come from uniform_per_row(seed, position), a pure function
+of the request's seed and the position being decided, so the output does not depend on what else
+shares the batch. The acceptance test, the draw after it and a draft model's own draws use three
+streams (their seeds are salted differently): a draft drawn with the acceptance test's own uniform
+would be correlated with it, and the output would no longer follow p.
+"""
+import torch
+
+from nanovllm.layers.sampler import (SamplingBatch, apply_min_p, apply_top_k_top_p, greedy, processed_logits,
+                                     sample_from, uniform_per_row)
+
+ACCEPT_SALT = 0x2545F4914F6CDD1D  # < 2**63: a salted seed stays a valid seed
+RESAMPLE_SALT = 0x1B873593A5E2D5B9
+DRAFT_SALT = 0x6A09E667F3BCC908  # for a draft model's sampling (it must not reuse the streams above)
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The target's distribution at each row, processed as plain sampling processes it: (probs
+    [R, V] normalized, or None when every row is greedy; argmax [R] of the processed logits).
+    batch holds one entry per row. The filters are the full-sort reference ones: their kept set
+    is exactly the plain sampler's, which draw_filtered only finds faster."""
+    logits = processed_logits(logits.float(), batch)
+    argmax = greedy(logits)
+    if batch.all_greedy:
+        return None, argmax
+    temperatures = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)  # (greedy rows: unused)
+    probs = torch.softmax(logits / temperatures[:, None], -1)
+    if batch.top_ks is not None:
+        probs = apply_top_k_top_p(probs, batch.top_ks, batch.top_ps)
+    if batch.min_ps is not None:
+        probs = apply_min_p(probs, batch.min_ps)
+    return probs / probs.sum(-1, keepdim=True), argmax
+
+
+def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.Tensor, drafts: torch.Tensor,
+           lengths: torch.Tensor, draft_probs: torch.Tensor | None, seeds: torch.Tensor,
+           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens each sequence emits this step: its accepted drafts, then one more.
+
+    probs, argmax: target_probs' ([R, V] or None when all rows are greedy; [R]). greedy_rows [B]
+    bool. drafts [B, K] int64 (entries past a sequence's length are ignored), lengths [B] int64 in
+    0..K. draft_probs [R, V]: the draft model's processed q at each row (row j of a sequence: the
+    distribution draft j was drawn from; its last row is unused), None for n-gram drafts. seeds
+    [B] int64; positions [B] int64: the position of each sequence's first draft token.
+    Returns (tokens [B, K + 1], num_emitted [B]): sequence b emits tokens[b, :num_emitted[b]],
+    1 to lengths[b] + 1 of them."""
+    num_seqs, k = drafts.shape
+    device = drafts.device
+    starts = torch.cumsum(lengths + 1, 0) - (lengths + 1)                       # [B] each sequence's first row
+    j = torch.arange(k, device=device)[None, :]                                 # [1, K]
+    is_draft = j < lengths[:, None]                                             # [B, K]
+    rows = torch.where(is_draft, starts[:, None] + j, 0)                        # [B, K] the row verifying draft j
+    x = torch.where(is_draft, drafts, 0)
+    accepted = argmax[rows] == x                                                # greedy rows' test
+    if probs is not None:
+        p_x = probs[rows, x]
+        q_x = draft_probs[rows, x] if draft_probs is not None else torch.ones_like(p_x)
+        u = uniform_per_row((seeds ^ ACCEPT_SALT)[:, None].expand(-1, k).reshape(-1),
+                            (positions[:, None] + j).reshape(-1)).view(num_seqs, k)
+        accepted = torch.where(greedy_rows[:, None], accepted, u * q_x < p_x)   # with probability min(1, p/q)
+    num_accepted = (accepted & is_draft).int().cumprod(1).sum(1)                # [B] the leading run
+    last = starts + num_accepted                                                # [B] the row that decides the next token
+    next_token = argmax[last]
+    if probs is not None:
+        rejected = num_accepted < lengths
+        p = probs[last]                                                         # [B, V]
+        if draft_probs is not None:
+            residual = (p - draft_probs[last]).clamp_(min=0)
+        else:  # q one-hot at the rejected draft: p without it
+            residual = p.scatter(1, x.gather(1, num_accepted.clamp(max=k - 1)[:, None]), 0.0) if k else p
+        # (a rejection has residual mass > 0: it happens only where q(x) > p(x); rounding aside)
+        use_residual = rejected & (residual.sum(-1) > 0)
+        u = uniform_per_row(seeds ^ RESAMPLE_SALT, positions + num_accepted)
+        sampled = sample_from(torch.where(use_residual[:, None], residual, p), u)
+        next_token = torch.where(greedy_rows, next_token, sampled)
+    tokens = torch.cat([x, x.new_zeros(num_seqs, 1)], 1)
+    tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+    return tokens, num_accepted + 1
