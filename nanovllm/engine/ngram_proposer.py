@@ -1,0 +1,87 @@
+"""N-gram (prompt lookup) proposer for speculative decoding.
+
+Prompt lookup drafts the next tokens from the sequence itself: if the last n tokens occurred
+earlier in the prompt or completion, the tokens that followed that occurrence are proposed as
+the continuation, and the target model verifies them all in one forward pass. It pays off on
+text that repeats its own context: code editing (the model rewrites the file it was shown),
+quoting, extraction, summaries that reuse the source's phrases, multi-turn chat.
+Drafts cost nothing to produce: no draft model, no weights, no GPU work, only a search over the
+token ids the host already holds; a miss simply proposes nothing and decoding proceeds as usual.
+
+Configured with vLLM's names: speculative_config={"method": "ngram", "num_speculative_tokens": k,
+"prompt_lookup_min": 2, "prompt_lookup_max": 4}.
+"""
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    # bool is an int subclass, but True as a token count is a bug in the caller.
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+class NgramProposer:
+    """Proposes up to `num_speculative_tokens` draft tokens per sequence by prompt lookup, trying
+    n-grams of `prompt_lookup_max` tokens down to `prompt_lookup_min` (the longest match wins)."""
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        _check_int("num_speculative_tokens", num_speculative_tokens, 1)
+        _check_int("prompt_lookup_min", prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", prompt_lookup_max, 1)
+        if prompt_lookup_min > prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({prompt_lookup_max})")
+        self.k = int(num_speculative_tokens)
+        self.min_n = int(prompt_lookup_min)
+        self.max_n = int(prompt_lookup_max)
+
+    def propose(self, token_ids: Sequence[int] | np.ndarray, max_len: int | None = None) -> list[int]:
+        """Draft tokens for one sequence (its prompt + completion tokens): what followed the most
+        recent earlier occurrence of its longest matching suffix n-gram, at most
+        min(num_speculative_tokens, max_len) of them (max_len <= 0 gives []); [] on no match."""
+        limit = self.k if max_len is None else min(self.k, max_len)
+        # Converting a Python list dominates the cost on long sequences (~0.3 ms for 32k tokens,
+        # against ~5-170 us for the search), so a caller that keeps a numpy array saves that.
+        if isinstance(token_ids, np.ndarray):
+            tokens = token_ids
+        else:
+            tokens = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        if tokens.ndim != 1:
+            raise ValueError(f"token_ids must be one-dimensional, got shape {tokens.shape}")
+        length = len(tokens)
+        if limit <= 0 or length < self.min_n + 1:
+            return []
+
+        # An occurrence is named by the index of its last token, `end`. It must be strictly
+        # earlier than the suffix itself (end <= length - 2), so at least one token follows it.
+        # The candidates for n = 1 are the earlier copies of the last token; n-gram n+1 matches at
+        # `end` iff n-gram n does and the token n places before `end` equals tokens[-(n+1)], so
+        # each longer n filters the survivors of the shorter one. This gives the same answer as
+        # searching from prompt_lookup_max down, in one vectorized pass over the sequence, and
+        # then only over the (usually few) surviving candidates.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        best_end = -1
+        for n in range(1, self.max_n + 1):
+            if n > 1:
+                ends = ends[ends >= n - 1]  # the n-gram must start inside the sequence
+                ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+            if ends.size == 0:
+                break  # no longer n-gram can match either
+            if n >= self.min_n:
+                # The most recent occurrence (the largest end): repeated text tends to continue
+                # as it did the last time. vLLM's n-gram proposers take the first match instead.
+                best_end = int(ends[-1])
+        if best_end < 0:
+            return []
+        # Fewer than `limit` when the sequence ends first.
+        return tokens[best_end + 1:best_end + 1 + limit].tolist()
+
+    def propose_batch(self, sequences: list, max_lens: list[int] | None = None) -> list[list[int]]:
+        """propose() for each sequence, with its max_len when max_lens is given."""
+        if max_lens is None:
+            return [self.propose(seq) for seq in sequences]
+        if len(max_lens) != len(sequences):
+            raise ValueError(f"max_lens has {len(max_lens)} entries for {len(sequences)} sequences")
+        return [self.propose(seq, cap) for seq, cap in zip(sequences, max_lens)]
