@@ -17,6 +17,44 @@ DEFAULT_BLOCK_SIZE = 16
 GENERATION_CONFIG = "generation_config.json"
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """speculative_config, with vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 4}."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """The checked config of a dict (or its JSON text, from the command line); None stays None."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {sorted(known)}")
+        if value.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config's method must be one of {list(SPECULATIVE_METHODS)}, got "
+                             f"{value.get('method')!r} (a draft model is not supported yet)")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (the draft length k >= 1)")
+        config = cls(**value)
+        from nanovllm.engine.ngram_proposer import NgramProposer
+        NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)  # (checks)
+        return config
+
+
 @dataclass
 class Config:
     """Every engine option, validated once. `LLM(...)` documents each; derived values are properties."""
@@ -35,6 +73,8 @@ class Config:
     async_scheduling: bool = True
     attention_backend: str | None = None
     load_format: str = "auto"
+    speculative_config: dict | str | None = None
+    speculative: SpeculativeConfig | None = field(init=False, default=None)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: set[int] = field(init=False, repr=False)
 
@@ -68,6 +108,7 @@ class Config:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
 
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

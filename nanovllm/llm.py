@@ -21,6 +21,11 @@ class LLM(LLMEngine):
         one (False: the plain synchronous loop; the outputs are the same).
     attention_backend: "flash_attn", "triton", "torch" or None (the best available).
     load_format: "auto" (safetensors) or "dummy" (random weights, for benchmarks).
+    speculative_config: speculative decoding, with vLLM's names: {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (None: off).
+        Each decoding sequence proposes up to k draft tokens by prompt lookup, and one forward
+        of the target checks them all (layers/rejection_sampler.py): greedy output is unchanged,
+        sampled output keeps the target's distribution. Speculative steps run synchronously.
     """
 
     def __init__(self, model: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
@@ -28,12 +33,13 @@ class LLM(LLMEngine):
                  max_num_batched_tokens: int = 16384, max_model_len: int = 4096,
                  gpu_memory_utilization: float = 0.9, kvcache_block_size: int | None = None,
                  num_kvcache_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 async_scheduling: bool = True, attention_backend: str | None = None, load_format: str = "auto"):
+                 async_scheduling: bool = True, attention_backend: str | None = None, load_format: str = "auto",
+                 speculative_config: dict | str | None = None):
         super().__init__(Config(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-            attention_backend=attention_backend,
-            load_format=load_format))
+            attention_backend=attention_backend, load_format=load_format,
+            speculative_config=speculative_config))

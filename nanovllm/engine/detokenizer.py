@@ -24,12 +24,14 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0              # start of the decoded window
         self.read_offset = len(self.ids)    # tokens before this are already emitted
+        self.num_completion_ids = 0         # completion tokens given to update() so far
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
+        self.num_completion_ids += len(new_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         text = self._decode(self.ids[self.prefix_offset:])
         if len(text) <= len(prefix) or (text.endswith(INCOMPLETE) and not final):

@@ -80,6 +80,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
+        # Speculative steps do not overlap: the next step's drafts are proposed from this step's
+        # accepted tokens, on the host, so it cannot be planned before they are in.
+        self.overlap = config.async_scheduling and config.speculative is None
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
         self._log_summary()
 
@@ -231,7 +234,7 @@ class LLMEngine:
         finished: complete() drops that token.
         """
         launched = done = self._launch()
-        if self.config.async_scheduling:  # the one difference between the two loops
+        if self.overlap:  # the one difference between the two loops
             done, self.in_flight = self.in_flight, launched
         if done is None:
             assert launched is not None or self.scheduler.is_finished(), "scheduler made no progress"
@@ -272,20 +275,38 @@ class LLMEngine:
                 seq.inbox.append(seq)
 
     def _update_text(self, seq: Sequence):
-        """Grow seq.text by its new token; end the sequence at a stop string."""
+        """Grow seq.text by its new tokens, one at a time (a speculative step brings several); end
+        the sequence at a stop string, and drop the tokens after the one that completed it: plain
+        decoding would have stopped there, before making them."""
+        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.detokenizer.num_completion_ids:]
+        ended_by_token = seq.stop_reason is not None  # (its last token: then a stop string there does not count)
+        for i, token in enumerate(new_ids):
+            later = len(new_ids) - 1 - i  # the tokens after this one
+            seen = len(seq.text)
+            seq.text += seq.detokenizer.update([token], final=seq.is_finished and not later)
+            if (later or not ended_by_token) and self._ends_at_stop_string(seq, seen, later):
+                if later:
+                    del seq.token_ids[-later:]
+                    if seq.logprobs is not None:
+                        del seq.logprobs[-later:]
+                return
+
+    def _ends_at_stop_string(self, seq: Sequence, seen: int, later: int) -> bool:
+        """Whether the text, grown from `seen` characters, now holds a stop string (and min_tokens
+        tokens, `later` of them not counted yet); if so, cut it there and finish the sequence."""
         params = seq.sampling_params
-        seen = len(seq.text)
-        seq.text += seq.detokenizer.update(seq.token_ids[-1:], final=seq.is_finished)
-        if not params.stop_strings or seq.num_completion_tokens < params.min_tokens or seq.stop_reason is not None:
-            return
+        if not params.stop_strings or seq.num_completion_tokens - later < params.min_tokens:
+            return False
         start = max(0, seen - max(map(len, params.stop_strings)) + 1)  # a match may begin in older text
         hits = [(i, stop) for stop in params.stop_strings if (i := seq.text.find(stop, start)) >= 0]
-        if hits:
-            i, stop = min(hits)
-            seq.text = seq.text[:i + len(stop) if params.include_stop_str_in_output else i]
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-            seq.finish_reason, seq.stop_reason = "stop", stop
+        if not hits:
+            return False
+        i, stop = min(hits)
+        seq.text = seq.text[:i + len(stop) if params.include_stop_str_in_output else i]
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.in_flight is None
@@ -435,10 +456,14 @@ class LLMEngine:
     def stats(self) -> dict:
         """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
         and waiting (samples not started yet included), and cumulative counts (preemptions, prompt tokens served by the prefix cache)."""
+        spec = self.scheduler.spec_stats
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_running": len(self.scheduler.running), "num_waiting": self.scheduler.num_waiting_samples(),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_cached_tokens": self.block_manager.num_cached_tokens,
                 "peak_used_blocks": self.block_manager.peak_used_blocks,
+                "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+                "spec_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_num_accepted_tokens_per_pos": list(spec.accepted_per_position),
                 "tp_message_bytes": self.model_runner.last_message_bytes}

@@ -9,9 +9,10 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_inputs, graph_batch_sizes, padded_batch_size
-from nanovllm.engine.step_batch import StepBatch
+from nanovllm.engine.step_batch import StepBatch, expand_runs
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends import get_backend
+from nanovllm.layers.rejection_sampler import target_probs, verify
 from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
@@ -109,6 +110,39 @@ class SampledTokens:
         for i, token in zip(rows.tolist(), redrawn.tolist()):
             tokens[i] = token
         self.corrected = rows.tolist()
+
+
+class VerifiedTokens:
+    """A speculative step's result on its way to the host: each sampling sequence's emitted
+    tokens (its accepted drafts, then one more) and their logprobs. The host waits for them at
+    once: its next drafts depend on them (speculative steps do not overlap)."""
+    corrected: list[int] = []  # (as SampledTokens': nothing is ever redrawn here)
+    wait_s = 0.0
+
+    def __init__(self, tokens: torch.Tensor, emitted: torch.Tensor, logprobs: tuple | None,
+                 num_logprobs: list[int | None] | None):
+        self.tokens, self.emitted, self.logprobs, self.num_logprobs = tokens, emitted, logprobs, num_logprobs
+
+    def result(self) -> tuple[list[list[int]], list[list[dict]] | None]:
+        start = perf_counter()
+        tokens, counts = self.tokens.tolist(), self.emitted.tolist()
+        self.wait_s = perf_counter() - start
+        emitted = [row[:n] for row, n in zip(tokens, counts)]
+        if self.logprobs is None:
+            return emitted, None
+        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs)
+        dicts = []
+        for i, (run, k) in enumerate(zip(emitted, self.num_logprobs)):
+            entries = []
+            for j, token in enumerate(run):
+                if k is None:
+                    entries.append(None)
+                    continue
+                entry = dict(zip(top_ids[i][j][:k], top_values[i][j][:k])) if k else {}
+                entry[token] = chosen[i][j]
+                entries.append(entry)
+            dicts.append(entries)
+        return emitted, dicts
 
 
 @dataclass
@@ -322,7 +356,9 @@ class ModelRunner:
             self.close()
             raise
         out = SampledTokens()
-        if logits is not None:
+        if logits is not None and batch.num_drafts is not None:
+            out = self._verify(batch, logits, sampling)
+        elif logits is not None:
             tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)
             out = SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
@@ -334,8 +370,13 @@ class ModelRunner:
     def execute(self, batch: StepBatch):
         """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
         _, inputs = self._run(batch)
-        if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
-            self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)
+        if not batch.samples.any():
+            return
+        num_sampled = int(batch.samples.sum())
+        if batch.num_drafts is not None:  # rank 0's _verify(): each sequence's next token, where it goes
+            self._keep_verified(torch.empty(2, num_sampled, dtype=torch.int64, device=self.device), batch)
+        else:  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
+            self._keep_sampled(torch.empty(num_sampled, dtype=torch.int64, device=self.device), inputs)
 
     def _run(self, batch: StepBatch) -> tuple[torch.Tensor | None, StepInputs]:
         """The forward of a step, and its logits on rank 0 when a sequence samples (else None)."""
@@ -359,6 +400,49 @@ class ModelRunner:
             last = inputs.context.logits_indices  # [S] the index of each sampling row's last token
             rows, positions = rows[last], positions[last]
         self.token_table[rows, positions + 1] = tokens.to(torch.int32)
+
+    def _verify(self, batch: StepBatch, logits: torch.Tensor, sampling: SamplingInputs) -> "VerifiedTokens":
+        """A speculative step's sampling (rank 0): the rejection sampler over the logits of each
+        sampling sequence's drafts and the position after them (sampling has one entry per such
+        row); the token after each one's accepted drafts goes into the token table."""
+        drafts = batch.num_drafts[batch.samples].astype(np.int64)                   # [S]
+        counts = drafts + 1
+        firsts = np.cumsum(counts) - counts                                          # [S] each one's first row
+        draft_ids = np.zeros((len(drafts), max(1, int(drafts.max()))), dtype=np.int64)
+        pending = iter(batch.draft_tokens)  # (in step order, as are the sequences that drafted)
+        for i in np.flatnonzero(drafts):
+            draft_ids[i, :drafts[i]] = next(pending)[2]
+        greedy_rows = (sampling.temperatures[firsts] == 0 if sampling.temperatures is not None
+                       else np.ones(len(drafts), dtype=bool))
+        seeds = sampling.seeds[firsts] if sampling.seeds is not None else np.zeros(len(drafts), dtype=np.int64)
+        d = self.upload({"drafts": draft_ids.ravel(), "lengths": drafts, "greedy": greedy_rows.astype(np.int64),
+                         "seeds": seeds, "positions": sampling.positions[firsts], "firsts": firsts})
+        sbatch = self.sampling_batch(sampling, logits.shape[-1])
+        probs, argmax = target_probs(logits, sbatch)
+        tokens, emitted = verify(probs, argmax, d["greedy"].bool(), d["drafts"].view(len(drafts), -1), d["lengths"],
+                                 None, d["seeds"], d["positions"])
+        ends = (batch.starts + batch.num_new)[batch.samples].astype(np.int64)       # [S] (all drafts accepted)
+        accepted = emitted - 1
+        where = torch.stack([tokens.gather(1, accepted[:, None])[:, 0], to_device(ends, self.device) - d["lengths"]
+                             + accepted])
+        self._keep_verified(where, batch)
+        logprobs = None
+        if sbatch.num_logprobs is not None:  # of each emitted token, at the row that decided it
+            raw = torch.log_softmax(logits.float(), -1)
+            rows = (d["firsts"][:, None] + torch.arange(tokens.shape[1], device=self.device)).clamp_(max=len(raw) - 1)
+            top = raw.topk(sbatch.num_logprobs, -1) if sbatch.num_logprobs > 0 else None
+            logprobs = (raw[rows, tokens], top.values[rows] if top else None, top.indices[rows] if top else None)
+        return VerifiedTokens(tokens, emitted, logprobs, [sampling.num_logprobs[f] for f in firsts]
+                              if sampling.num_logprobs is not None else None)
+
+    def _keep_verified(self, where: torch.Tensor, batch: StepBatch):
+        """Write each sampling sequence's next token (where [2, S]: tokens, positions) into the
+        token table (rank 0 broadcasts them to the other ranks first). Accepted drafts are there
+        already; rejected ones are overwritten when their positions are computed again."""
+        if self.group is not None:
+            self.group.broadcast(where)
+        rows = to_device(batch.rows[batch.samples].astype(np.int64), self.device)
+        self.token_table[rows, where[1]] = where[0].to(torch.int32)
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
@@ -403,7 +487,12 @@ class ModelRunner:
         parts = {"rows": rows, "positions": positions, "cu_q": cu_q, "lens_k": lens_k}
         all_sample = decode_only and batch.samples.all()  # (then the logits rows are 0..B-1)
         if not all_sample:
-            parts["logits_indices"] = (cu_q[1:] - 1)[batch.samples]
+            last = (cu_q[1:] - 1)[batch.samples]
+            if batch.num_drafts is not None:  # a sequence with d drafts: logits at its last d + 1 tokens
+                counts = batch.num_drafts[batch.samples].astype(np.int64) + 1
+                parts["logits_indices"] = expand_runs(last - counts + 1, counts)
+            else:
+                parts["logits_indices"] = last
         if not decode_only:
             parts["step_rows"] = batch.rows
             parts["cu_k"] = np.concatenate([[0], np.cumsum(lens_k)])
@@ -415,10 +504,10 @@ class ModelRunner:
         parts = {}
         if batch.new_blocks:
             parts["block_rows"], parts["block_cols"], parts["block_ids"] = flatten_writes(batch.new_blocks)
-        if batch.new_tokens or batch.fixed_tokens:
+        if batch.new_tokens or batch.fixed_tokens or batch.draft_tokens:
             parts["token_rows"], parts["token_cols"], parts["token_ids"] = flatten_writes(
                 [(row, 0, tokens) for row, tokens in batch.new_tokens]
-                + [(row, position, [token]) for row, position, token in batch.fixed_tokens])
+                + [(row, position, [token]) for row, position, token in batch.fixed_tokens] + batch.draft_tokens)
         return parts
 
     def _context(self, batch: StepBatch, layout: "StepLayout", d: dict[str, torch.Tensor]) -> Context:

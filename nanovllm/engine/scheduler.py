@@ -8,8 +8,9 @@ import numpy as np
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import BatchState, SamplingInputs
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.step_batch import StepBatch
+from nanovllm.engine.step_batch import StepBatch, expand_runs
 
 FINISHED = SequenceStatus.FINISHED
 STATUS_OF = attrgetter("status")
@@ -31,14 +32,35 @@ class ScheduledStep:
     filled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens) with blocks to publish
     fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (row, position, token): see correct()
     undone: set[Sequence] = field(default_factory=set)  # sequences whose token here correct() dropped
+    num_drafts: list[int] = field(default_factory=list)  # per sequence: its draft tokens (speculative steps)
+    draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, drafts)
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
         num_seqs = len(self.seqs)
         samples = np.ones(num_seqs, dtype=bool) if len(self.sampling) == num_seqs else np.array(self.samples)
-        return StepBatch(np.fromiter(self.rows, np.int32, num_seqs), np.fromiter(self.starts, np.int32, num_seqs),
-                         np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
-                         self.fixed_tokens)
+        batch = StepBatch(np.fromiter(self.rows, np.int32, num_seqs), np.fromiter(self.starts, np.int32, num_seqs),
+                          np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
+                          self.fixed_tokens)
+        if self.draft_tokens:
+            batch.num_drafts, batch.draft_tokens = np.array(self.num_drafts, dtype=np.int32), self.draft_tokens
+        return batch
+
+
+class SpecStats:
+    """Speculative decoding's counts, vLLM's: drafts proposed (sequences that drafted, per step),
+    draft tokens, accepted tokens, and accepted tokens at each draft position."""
+
+    def __init__(self, k: int):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k
+
+    def count(self, num_drafted: int, num_accepted: int):
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
 
 
 class Scheduler:
@@ -64,6 +86,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
+        spec = config.speculative
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                      spec.prompt_lookup_max) if spec is not None else None
+        self.spec_stats = SpecStats(spec.num_speculative_tokens if spec is not None else 0)
 
     def add(self, seq: Sequence):
         """Queue a request: its first sample, with the other samples riding on it (its forks)."""
@@ -95,7 +121,7 @@ class Scheduler:
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
         if self.num_preemptions == num_preemptions:
-            self._schedule(step, self._admit_waiting(step, budget), budget)
+            self._schedule(step, self._admit_waiting(step, budget), budget, draft=False)
         if not step.seqs:
             return None
         # Publish the blocks this step fills with tokens the host knows, after admission: a
@@ -108,12 +134,14 @@ class Scheduler:
         self._queue_forks(step)
         return step
 
-    def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int) -> int:
+    def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, draft: bool = True) -> int:
         """Put running sequences in the step, in order, while the token budget lasts: one token
         each when decoding, the next chunk of an unfinished prefill otherwise. A sequence that
         needs a block when none is free preempts the most recently admitted ones (itself, when
         it is that one). Returns the budget left. (The one pass over every sequence of a step:
-        its appends are bound once.)"""
+        its appends are bound once.) draft: decoding sequences may draft (speculative decoding);
+        not those admitted in this step, which have their blocks already and must not grow: a
+        growth would preempt from the end of `running`, where they are."""
         add_seq, add_num_new, add_row, add_start, add_samples, add_sampling, add_filled = (
             step.seqs.append, step.num_new.append, step.rows.append, step.starts.append, step.samples.append,
             step.sampling.append, step.filled.append)
@@ -124,7 +152,10 @@ class Scheduler:
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            n = num_tokens - start if num_tokens - start < budget else budget
+            drafts = self._drafts(seq) if draft and self.proposer is not None and num_tokens - start == 1 else []
+            if drafts and 1 + len(drafts) > budget:
+                break  # it waits for the next step (see _drafts); the first of a step always fits
+            n = num_tokens - start + len(drafts) if num_tokens - start < budget else budget
             end = start + n
             if end > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
                 break  # it was preempted itself, the last running
@@ -134,6 +165,11 @@ class Scheduler:
             add_num_new(n)
             add_row(seq.row)
             add_start(start)
+            if self.proposer is not None:
+                step.num_drafts.append(len(drafts))
+                if drafts:
+                    step.draft_tokens.append((seq.row, num_tokens, drafts))
+                    num_tokens = end  # (as if every draft is accepted: complete() takes back the rejected ones)
             if end == num_tokens:  # it samples: that token is in flight until complete() reads it
                 seq.num_tokens = end + 1
                 add_samples(True)
@@ -150,6 +186,17 @@ class Scheduler:
             if seq.forks and end >= seq.num_prompt_tokens:
                 step.forking.append(seq)
         return budget
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """Draft tokens for a decoding sequence whose tokens the host knows: as many as the
+        proposer finds, at most so many that its accepted drafts and the token after them stay
+        within its token limit (max_tokens, max_model_len), and that it fits in a step's budget.
+        Never fewer for lack of budget in this step (it waits for the next one instead), so its
+        drafts, and a seeded request's tokens, do not depend on what shares its step."""
+        if seq.num_tokens != len(seq.token_ids):
+            return []  # (its last token is in flight)
+        room = min(seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1)
+        return self.proposer.propose(seq.token_ids, max_len=room)
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while
@@ -205,12 +252,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def sampling_inputs(self, step: ScheduledStep, batch: StepBatch) -> SamplingInputs:
-        """The sampling parameters of the step's sampling rows."""
+        """The sampling parameters of the step's sampling rows (in a speculative step, a sequence
+        with d drafts has d + 1 of them: one per draft it verifies, and the one after)."""
         ends = batch.starts + batch.num_new  # the position of the token each sequence samples
-        rows = batch.rows
+        rows, seqs = batch.rows, step.sampling
         if len(step.sampling) != len(step.seqs):
             rows, ends = rows[batch.samples], ends[batch.samples]
-        return self.batch_state.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), step.sampling)
+        if batch.num_drafts is not None:
+            counts = batch.num_drafts[batch.samples].astype(np.int64) + 1
+            ends = expand_runs(ends - counts + 1, counts)
+            rows, seqs = np.repeat(rows, counts), [seq for seq, c in zip(seqs, counts.tolist()) for _ in range(c)]
+        return self.batch_state.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), seqs)
 
     # ---- accounting for a step ----------------------------------------------------------------
     def complete(self, step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None = None
@@ -218,10 +270,40 @@ class Scheduler:
         """Account for a launched step whose sampled tokens are in (one per sampling sequence, in
         order; `logprobs` their logprob dicts): append them, and finish the sequences that stop.
         Returns the sequences that got a token."""
+        if step.draft_tokens:
+            return self._complete_verified(step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         self._append(seqs, tokens, logprobs)
         self._finish_stopped(seqs, tokens)
         return seqs
+
+    def _complete_verified(self, step: ScheduledStep, emitted: list[list[int]],
+                           logprobs: list[list[dict]] | None) -> list[Sequence]:
+        """complete() for a speculative step (run synchronously: nothing was in flight beside it):
+        each sampling sequence emits its accepted drafts and the token after them (emitted[i]).
+        The rejected drafts are taken back: num_computed_tokens and num_tokens drop by their count
+        (their K/V slots are simply written again later). Tokens are appended one at a time, so a
+        sequence that stops inside the run ends there, and the rest of the run is dropped."""
+        drafts = [d for d, samples in zip(step.num_drafts, step.samples) if samples]
+        stopped = []
+        for i, (seq, tokens) in enumerate(zip(step.sampling, emitted)):
+            rejected = drafts[i] - (len(tokens) - 1)
+            seq.num_computed_tokens -= rejected
+            seq.num_tokens -= rejected
+            if drafts[i]:
+                self.spec_stats.count(drafts[i], len(tokens) - 1)
+                seq.spec_draft_tokens += drafts[i]
+                seq.spec_accepted_tokens += len(tokens) - 1
+            for j, token in enumerate(tokens):
+                self._append([seq], [token], [logprobs[i][j]] if logprobs is not None else None)
+                if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit) and self._stops(seq, token):
+                    stopped.append(seq)
+                    break
+        for seq in stopped:
+            self._release(seq)
+        if stopped:
+            self.running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
+        return step.sampling
 
     def correct(self, step: ScheduledStep, indices: list[int], tokens: list[int], in_flight: ScheduledStep | None):
         """The sampler redrew these sampling rows of `step` (Redo) after writing their first draw

@@ -35,7 +35,8 @@ class Sequence:
                  "num_prompt_tokens", "num_tokens", "num_computed_tokens", "token_limit", "row", "block_table",
                  "block_hashes", "num_cached_tokens", "admitted", "stop_ids", "forks", "finish_reason",
                  "stop_reason", "logprobs", "detokenizer", "text", "num_emitted_tokens", "num_emitted_chars",
-                 "inbox", "arrival_time", "first_token_time", "finish_time")
+                 "inbox", "arrival_time", "first_token_time", "finish_time", "spec_draft_tokens",
+                 "spec_accepted_tokens")
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int, index: int = 0,
                  sample_index: int = 0):
@@ -66,6 +67,7 @@ class Sequence:
         self.arrival_time = perf_counter()     # perf_counter() seconds
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculative decoding: its drafts, and those accepted
 
     @property
     def num_completion_tokens(self) -> int:
@@ -89,7 +91,8 @@ class Sequence:
             if self.finish_time is not None and self.num_completion_tokens > 1:
                 tpot = (self.finish_time - self.first_token_time) / (self.num_completion_tokens - 1)
         return {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
-                "finish_time": self.finish_time, "ttft_s": ttft, "tpot_s": tpot}
+                "finish_time": self.finish_time, "ttft_s": ttft, "tpot_s": tpot,
+                "spec_num_draft_tokens": self.spec_draft_tokens, "spec_num_accepted_tokens": self.spec_accepted_tokens}
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

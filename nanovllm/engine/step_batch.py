@@ -12,7 +12,8 @@ class StepBatch:
     it: every rank gathers them from its own token table [rows, max_model_len] by (row, position),
     where each step's sampler writes the tokens it samples (so a decode step's inputs are on the
     device before the host has read them) and `new_tokens` writes the tokens of a sequence new in
-    its row (`fixed_tokens`, the rare token the sampler redrew after it was written). The block
+    its row (`fixed_tokens`, the rare token the sampler redrew after it was written; `draft_tokens`,
+    a speculative step's drafts, which it computes and verifies). The block
     tables also live on the device, one row each; `new_blocks` holds the entries this step adds.
     """
     rows: np.ndarray       # [B] int32 (int32 throughout: the message to the other ranks stays small)
@@ -22,7 +23,19 @@ class StepBatch:
     new_blocks: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, offset, block ids)
     new_tokens: list[tuple[int, list[int]]] = field(default_factory=list)       # (row, its tokens from position 0)
     fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)    # (row, position, token): redrawn (Redo)
+    # speculative decoding: each sequence's draft tokens, computed after its last token (None: no
+    # drafts in this step), and their ids, written into the token table before the step runs
+    num_drafts: np.ndarray | None = None                                       # [B] int32
+    draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, tokens)
 
     @property
     def num_seqs(self) -> int:
         return len(self.rows)
+
+
+def expand_runs(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """firsts[i], firsts[i] + 1, ..., counts[i] values from each, back to back: the indices of
+    runs (a speculative step's rows of each sequence). [N] int64 each -> [sum(counts)] int64."""
+    counts = counts.astype(np.int64)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(firsts.astype(np.int64), counts) + offsets

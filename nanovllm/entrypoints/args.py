@@ -16,7 +16,7 @@ def llm_options() -> list[tuple[str, object, type]]:
         if p.kind is not inspect.Parameter.KEYWORD_ONLY:
             continue
         kinds = typing.get_args(p.annotation) if isinstance(p.annotation, types.UnionType) else (p.annotation,)
-        kind = next(k for k in (bool, int, float, str) if k in kinds)
+        kind = next(k for k in (bool, int, float, dict, str) if k in kinds)
         options.append((name, p.default, kind))
     return options
 
@@ -27,6 +27,8 @@ def add_llm_arguments(parser: argparse.ArgumentParser):
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif kind is dict:  # as JSON text: `--speculative-config '{"method": "ngram", ...}'` (Config parses it)
+            group.add_argument(flag, type=str, default=default, metavar="JSON", help=f"default: {default}")
         else:
             group.add_argument(flag, type=kind, default=default, metavar=kind.__name__.upper(),
                                help=f"default: {default}")

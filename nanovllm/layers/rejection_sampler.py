@@ -17,9 +17,11 @@ sum(lengths + 1)): its row j < lengths[b] verifies draft j; its last row gives t
 
 Reproducible per request: the uniforms come from uniform_per_row(seed, position), a pure function
 of the request's seed and the position being decided, so the output does not depend on what else
-shares the batch. The acceptance test, the draw after it and a draft model's own draws use three
-streams (their seeds are salted differently): a draft drawn with the acceptance test's own uniform
-would be correlated with it, and the output would no longer follow p.
+shares the batch. The token after the accepted drafts is drawn as plain sampling draws the token at
+its position (the same uniform, from the same unnormalized filtered probabilities as full_way), so a
+sequence without drafts gets exactly the plain sampler's token. The acceptance test and a draft
+model's own draws use streams of their own (salted seeds): a draft drawn with the acceptance test's
+uniform would be correlated with it, and the output would no longer follow p.
 """
 import torch
 
@@ -27,15 +29,15 @@ from nanovllm.layers.sampler import (SamplingBatch, apply_min_p, apply_top_k_top
                                      sample_from, uniform_per_row)
 
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # < 2**63: a salted seed stays a valid seed
-RESAMPLE_SALT = 0x1B873593A5E2D5B9
 DRAFT_SALT = 0x6A09E667F3BCC908  # for a draft model's sampling (it must not reuse the streams above)
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The target's distribution at each row, processed as plain sampling processes it: (probs
-    [R, V] normalized, or None when every row is greedy; argmax [R] of the processed logits).
-    batch holds one entry per row. The filters are the full-sort reference ones: their kept set
-    is exactly the plain sampler's, which draw_filtered only finds faster."""
+    [R, V], or None when every row is greedy; argmax [R] of the processed logits). probs are the
+    filtered softmax that full_way draws from, not renormalized (verify normalizes where it needs
+    to). batch holds one entry per row. The filters are the full-sort reference ones: their kept
+    set is exactly the plain sampler's, which draw_filtered only finds faster."""
     logits = processed_logits(logits.float(), batch)
     argmax = greedy(logits)
     if batch.all_greedy:
@@ -46,7 +48,7 @@ def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tens
         probs = apply_top_k_top_p(probs, batch.top_ks, batch.top_ps)
     if batch.min_ps is not None:
         probs = apply_min_p(probs, batch.min_ps)
-    return probs / probs.sum(-1, keepdim=True), argmax
+    return probs, argmax
 
 
 def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.Tensor, drafts: torch.Tensor,
@@ -70,7 +72,8 @@ def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.
     x = torch.where(is_draft, drafts, 0)
     accepted = argmax[rows] == x                                                # greedy rows' test
     if probs is not None:
-        p_x = probs[rows, x]
+        total = probs.sum(-1)                                                   # [R] (filtered: below 1)
+        p_x = probs[rows, x] / total[rows]
         q_x = draft_probs[rows, x] if draft_probs is not None else torch.ones_like(p_x)
         u = uniform_per_row((seeds ^ ACCEPT_SALT)[:, None].expand(-1, k).reshape(-1),
                             (positions[:, None] + j).reshape(-1)).view(num_seqs, k)
@@ -82,12 +85,12 @@ def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.
         rejected = num_accepted < lengths
         p = probs[last]                                                         # [B, V]
         if draft_probs is not None:
-            residual = (p - draft_probs[last]).clamp_(min=0)
+            residual = (p / total[last][:, None] - draft_probs[last]).clamp_(min=0)
         else:  # q one-hot at the rejected draft: p without it
             residual = p.scatter(1, x.gather(1, num_accepted.clamp(max=k - 1)[:, None]), 0.0) if k else p
         # (a rejection has residual mass > 0: it happens only where q(x) > p(x); rounding aside)
         use_residual = rejected & (residual.sum(-1) > 0)
-        u = uniform_per_row(seeds ^ RESAMPLE_SALT, positions + num_accepted)
+        u = uniform_per_row(seeds, positions + num_accepted)  # (plain sampling's uniform at this position)
         sampled = sample_from(torch.where(use_residual[:, None], residual, p), u)
         next_token = torch.where(greedy_rows, next_token, sampled)
     tokens = torch.cat([x, x.new_zeros(num_seqs, 1)], 1)
