@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import nanovllm.engine.block_manager as block_manager_module
+from nanovllm.config import SpeculativeConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -61,6 +62,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared, initial):
         self.setup_config(block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared, initial)
 
+    speculative: SpeculativeConfig | None = None  # (SpeculativeMachine's)
+
     def setup_config(self, block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared,
                      initial):
         # At least the blocks one sequence of max_model_len needs (the engine refuses less at
@@ -68,7 +71,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_blocks = -(-max_model_len // block_size) + extra_blocks
         self.bs = block_size
         self.budget, self.max_seqs, self.max_model_len = budget, max_seqs, max_model_len
-        cfg = SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+        cfg = SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                              speculative=self.speculative)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(cfg, self.bm, eos_token_ids={EOS})
         self.shared_prefixes = shared
@@ -88,9 +92,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def slot(self, seq: Sequence, pos: int) -> int:
         return seq.block_table[pos // self.bs] * self.bs + pos % self.bs
 
-    def step(self, draw_token):
+    def step(self, draw_token, draw_accepted=lambda num_drafts: num_drafts):
         """schedule() (which commits the step), check the batch, run the fake model (read and
-        write the fake KV cache), sample a token for each sequence that completes its tokens,
+        write the fake KV cache), sample a token for each sequence that completes its tokens (in
+        a speculative step: accept the first draw_accepted(d) of its d drafts, then sample one),
         complete(), check."""
         sched, bm = self.sched, self.bm
         was_finished = {s.seq_id for s in self.seqs if s.is_finished}
@@ -103,6 +108,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.check_structure()
             return
         batch = list(zip(planned.seqs, planned.starts, planned.num_new, planned.samples))
+        drafts_of_row = {row: drafts for row, _, drafts in planned.draft_tokens}
+        drafts = {s.seq_id: drafts_of_row.get(s.row, []) for s in planned.seqs}
 
         # Budgets.
         assert sum(planned.num_new) <= self.budget
@@ -111,13 +118,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len({s.seq_id for s in planned.seqs}) == len(batch), "a sequence scheduled twice in one step"
         running_ids = {s.seq_id for s in sched.running}
         for s, start, n, samples in batch:
+            d = len(drafts[s.seq_id])
             assert s.seq_id not in was_finished, f"finished sequence {s.seq_id} scheduled"
             assert s.seq_id in running_ids and s.status == SequenceStatus.RUNNING
             assert n >= 1 and s.num_computed_tokens == start + n
             if s.seq_id in before:  # running already: it goes on from where it was
                 assert start == before[s.seq_id][1]
-            assert start + n == len(s.token_ids) if samples else start + n < len(s.token_ids)
-            assert s.num_tokens == len(s.token_ids) + samples
+            assert start + n == len(s.token_ids) + d if samples else start + n < len(s.token_ids)
+            assert s.num_tokens == len(s.token_ids) + samples + d
+            assert s.num_tokens <= s.token_limit  # (drafts never run past max_tokens)
             assert len(s.block_table) * self.bs >= start + n
         scheduled = {s.seq_id for s in planned.seqs}
         for s in sched.running:
@@ -125,31 +134,44 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (s.num_tokens, s.num_computed_tokens) == before[s.seq_id]
 
         # The fake model: every position it attends to must hold K/V computed from exactly this
-        # sequence's prefix; new positions go to blocks no other sequence holds.
+        # sequence's prefix; new positions go to blocks no other sequence holds. (A draft's K/V
+        # is computed from the drafts before it: rejected ones must never be read afterwards.)
         for s, start, n, _ in batch:
             for p in range(start):
                 assert self.kv.get(self.slot(s, p)) == tuple(s.token_ids[:p + 1]), \
                     f"seq {s.seq_id} reads wrong K/V at position {p} (slot {self.slot(s, p)})"
         for s, start, n, _ in batch:
+            tokens = s.token_ids + drafts[s.seq_id]
             for p in range(start, start + n):
                 block = bm.blocks[s.block_table[p // self.bs]]
                 assert block.ref_count == 1, f"seq {s.seq_id} writes into shared block {block.block_id}"
-                self.kv[self.slot(s, p)] = tuple(s.token_ids[:p + 1])
+                self.kv[self.slot(s, p)] = tuple(tokens[:p + 1])
         # (only now: the blocks a step publishes are those whose K/V it computes)
         self.check_structure()
 
         samplers = planned.sampling
-        sampled = [draw_token() for _ in samplers]
         lengths = {s.seq_id: len(s.token_ids) for s in samplers}
-        updated = sched.complete(planned, sampled)
-
+        if planned.draft_tokens:
+            runs = [drafts[s.seq_id][:draw_accepted(len(drafts[s.seq_id]))] + [draw_token()] for s in samplers]
+            updated = sched.complete(planned, runs)
+            for s, run in zip(samplers, runs):
+                appended = s.token_ids[lengths[s.seq_id]:]
+                assert appended == run[:len(appended)] and appended
+                if not s.is_finished:  # the whole run, and the rejected drafts taken back
+                    assert appended == run and s.num_tokens == len(s.token_ids)
+                    assert s.num_computed_tokens == len(s.token_ids) - 1
+                else:
+                    assert appended == run or s.finish_reason in ("stop", "length")
+        else:
+            runs = [[draw_token()] for _ in samplers]
+            updated = sched.complete(planned, [run[0] for run in runs])
+            for s, (token,) in zip(samplers, runs):
+                assert s.token_ids[-1] == token and len(s.token_ids) == lengths[s.seq_id] + 1
+                assert s.num_tokens == len(s.token_ids)
+            for s, start, n, _ in batch:
+                if not s.is_finished:
+                    assert s.num_computed_tokens == start + n
         assert updated == samplers  # synchronous: none can have finished in between
-        for s, token in zip(samplers, sampled):
-            assert s.token_ids[-1] == token and len(s.token_ids) == lengths[s.seq_id] + 1
-            assert s.num_tokens == len(s.token_ids)
-        for s, start, n, _ in batch:
-            if not s.is_finished:
-                assert s.num_computed_tokens == start + n
         self.check_structure()
 
     # ------------------------------------------------------------------ rules
@@ -175,7 +197,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), num_steps=st.integers(1, 4))
     def steps(self, data, num_steps):
         for _ in range(num_steps):
-            self.step(lambda: data.draw(st.sampled_from(SAMPLE_VOCAB), label="sampled"))
+            self.step(lambda: data.draw(st.sampled_from(SAMPLE_VOCAB), label="sampled"),
+                      lambda d: data.draw(st.integers(0, d), label="accepted"))
 
     @precondition(lambda self: bool(self.sched.waiting or self.sched.running))
     @rule(data=st.data())
@@ -313,18 +336,34 @@ class CollidingHashMachine(SchedulerMachine):
             block_manager_module.chain_hash = CollidingHashMachine.real_chain_hash
 
 
+class SpeculativeMachine(SchedulerMachine):
+    """The same machine with n-gram speculation (the tiny vocabulary makes drafts frequent) and a
+    random number of drafts accepted per sequence and step: rejected drafts are taken back, their
+    K/V never read, blocks holding them never published."""
+
+    @initialize(k=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 3),
+                budget=st.integers(1, 12), max_seqs=st.sampled_from([4, 3, 2, 1]),
+                max_model_len=st.integers(6, MAX_MODEL_LEN), prefix_caching=st.sampled_from([True, True, False]),
+                shared=st.lists(prefixes, min_size=1, max_size=3), initial=st.lists(requests, min_size=1, max_size=5))
+    def setup(self, k, block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared, initial):
+        self.speculative = SpeculativeConfig("ngram", k, prompt_lookup_min=1, prompt_lookup_max=2)
+        self.setup_config(block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared, initial)
+
+
 SchedulerMachine.TestCase.settings = PROPERTY_SETTINGS
 test_scheduler_state_machine = SchedulerMachine.TestCase
 PressureMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=100)
 test_scheduler_under_kv_pressure = PressureMachine.TestCase
 CollidingHashMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=80)
 test_scheduler_with_colliding_hashes = CollidingHashMachine.TestCase
+SpeculativeMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=150)
+test_scheduler_with_speculative_steps = SpeculativeMachine.TestCase
 
 
 def test_abort_of_unqueued_fork_stays_finished():
     """Found by the machine above: a fork aborted before its first sample's prompt was computed
     was still queued with the others, then scheduled and given a token after its abort."""
-    cfg = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN)
+    cfg = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN, speculative=None)
     sched = Scheduler(cfg, BlockManager(20, 4), eos_token_ids={EOS})
     params = SamplingParams(temperature=0, n=2, max_tokens=3, ignore_eos=True)
     first, fork = (Sequence([1, 2, 3, 1, 2], params, seed=j, index=0, sample_index=j) for j in range(2))
