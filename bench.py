@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -167,12 +166,13 @@ def run_nanovllm(args, path, prompts, max_tokens):
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-              num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling)
+              num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling,
+              speculative_config=args.speculative_config)
     warm_up(llm, prompts)                                   # not timed; the recorder counts from here
     recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
     llm.attach_recorder(recorder)
     before = dict(llm.stats())
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync(llm.config.device)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.json)
@@ -190,7 +190,14 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
         "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
         "gpu_idle_between_decode_steps": recorder.gpu_idle_fraction(),
+        # per sequence: 1.0 without speculation, 1 / (tokens per verification) with it
+        "target_forwards_per_output_token": delta["sampling_forwards"] / max(output_tokens, 1),
     }
+    drafts, draft_tokens, accepted = (stats[k] - before[k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                                      "spec_num_accepted_tokens"))
+    if args.speculative_config:  # vLLM's figures: accepted / drafted, and tokens per draft (1 + accepted / drafts)
+        result["spec_acceptance_rate"] = accepted / max(draft_tokens, 1)
+        result["spec_mean_acceptance_length"] = 1 + accepted / max(drafts, 1)
     if args.timeline:
         draw_timeline(recorder.records, stats["num_blocks"], args.timeline)
         result["timeline"] = args.timeline
@@ -290,6 +297,11 @@ def parse_args(argv=None):
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap the host's work with the device's (--no-async-scheduling: the synchronous loop)")
+    p.add_argument("--speculative-config", metavar="JSON", help='speculative decoding, e.g. '
+                   '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
+    p.add_argument("--repetitive", action="store_true",
+                   help="prompts that repeat a phrase of 8 tokens (text that quotes itself: n-gram drafts can hit)")
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static-batch baseline")
     p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")
@@ -315,6 +327,8 @@ def main(argv=None):
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     prompts, max_tokens = make_workload(args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
                                         args.max_output_len, args.seed, vocab_size)
+    if args.repetitive:
+        prompts = [(p[:8] * (len(p) // 8 + 1))[:len(p)] for p in prompts]
     result = run_nanovllm(args, path, prompts, max_tokens)
     result["model"] = args.model or f"dummy:{args.dummy}"
     result["requested_output_tokens"] = sum(max_tokens)
@@ -325,6 +339,10 @@ def main(argv=None):
     for key in ("ttft_s", "tpot_s"):
         q = result[key]
         print(f"  {key[:-2].upper()}: p50 {q['p50'] * 1e3:.1f} ms, p90 {q['p90'] * 1e3:.1f} ms, p99 {q['p99'] * 1e3:.1f} ms")
+    print(f"  target forwards per output token: {result['target_forwards_per_output_token']:.3f}")
+    if "spec_acceptance_rate" in result:
+        print(f"  speculation: acceptance rate {result['spec_acceptance_rate']:.1%}, mean acceptance length "
+              f"{result['spec_mean_acceptance_length']:.2f}")
     if result["gpu_idle_between_decode_steps"] is not None:
         print(f"  GPU idle between decode steps: {result['gpu_idle_between_decode_steps']:.1%} of their wall time")
     if args.compare == "hf":

@@ -9,7 +9,8 @@ from nanovllm.engine.ngram_proposer import NgramProposer
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int, max_len: int | None = None) -> list[int]:
-    """The definition, spelled out: longest n first, then the most recent earlier occurrence."""
+    """The definition, spelled out: longest n first, then the most recent earlier occurrence that
+    the full `limit` tokens follow, else the most recent one."""
     limit = k if max_len is None else min(k, max_len)
     if limit <= 0:
         return []
@@ -19,9 +20,11 @@ def reference(tokens: list[int], k: int, lo: int, hi: int, max_len: int | None =
             continue
         suffix = tokens[length - n:]
         # Occurrences tokens[start:start + n] that end before the last token, latest first.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + limit]
+        starts = [start for start in range(length - n - 1, -1, -1) if tokens[start:start + n] == suffix]
+        if starts:
+            full = [start for start in starts if start + n + limit <= length]
+            start = full[0] if full else starts[0]
+            return tokens[start + n:start + n + limit]
     return []
 
 
@@ -41,6 +44,13 @@ def test_most_recent_occurrence_wins():
     tokens = [1, 2, 7, 1, 2, 8, 1, 2]
     assert NgramProposer(1, 2, 2).propose(tokens) == [8]
     assert NgramProposer(2, 2, 2).propose(tokens) == [8, 1]
+
+
+def test_a_run_of_one_token_proposes_k_of_it():
+    """The most recent match in "a a a a a" is followed by one token only: the most recent one
+    that k tokens follow is taken instead."""
+    assert NgramProposer(3, 2, 2).propose([5, 4, 4, 4, 4, 4, 4]) == [4, 4, 4]
+    assert NgramProposer(3, 2, 2).propose([5, 4, 4, 4]) == [4]  # (none has 3 after it: the latest)
 
 
 def test_continuation_shorter_than_k_near_the_end():
@@ -103,7 +113,7 @@ def test_long_sequence():
 def test_propose_batch():
     p = NgramProposer(2, 2, 2)
     seqs = [[1, 2, 3, 4, 1, 2], [1, 2, 3], np.array([9, 9, 9, 9])]
-    assert p.propose_batch(seqs) == [[3, 4], [], [9]]  # the latest [9, 9] has one token after it
+    assert p.propose_batch(seqs) == [[3, 4], [], [9, 9]]  # (the latest [9, 9] that two tokens follow)
     assert p.propose_batch(seqs, max_lens=[1, 5, 0]) == [[3], [], []]
     with pytest.raises(ValueError, match="max_lens"):
         p.propose_batch(seqs, max_lens=[1])

@@ -369,6 +369,27 @@ def test_tensor_parallel_server_with_the_key_from_the_environment(plain_model, t
     assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), timeout=15)
 
 
+def test_speculative_server_and_its_metrics(plain_model, tmp_path):
+    """--speculative-config (JSON): the same greedy completion, and vLLM's spec_decode counters."""
+    server = Server(plain_model, tmp_path / "server.log", "--speculative-config",
+                    '{"method": "ngram", "num_speculative_tokens": 3}', max_model_len=256)
+    try:
+        prompt = [11, 22, 33, 44, 55, 66, 77, 88] * 5
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        response = http(server, "POST", "/v1/completions", key=None, json=body)
+        assert response.status_code == 200, response.text
+        with LLM(plain_model, max_model_len=256) as reference:
+            expected = reference.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY),
+                                          use_tqdm=False)[0]
+        assert response.json()["choices"][0]["text"] == expected["text"]
+        metrics = server.metrics()
+        assert 0 < metrics["nanovllm:spec_decode_num_accepted_tokens_total"] \
+            <= metrics["nanovllm:spec_decode_num_draft_tokens_total"]
+        assert metrics['nanovllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_sigint_exits_cleanly_too_and_the_access_log_is_optional(server, plain_model, tmp_path):
     assert '"POST /v1/completions HTTP/1.1" 200' in server.log()  # (the module's server logs each request)
     quiet = Server(plain_model, tmp_path / "server.log", "--disable-log-requests")

@@ -7,9 +7,11 @@ import random
 
 import pytest
 
+import nanovllm.engine.scheduler as scheduler_module
 from nanovllm import LLM, SamplingParams
-from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.cli import build_parser
+from nanovllm.engine.scheduler import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
+from nanovllm.entrypoints.args import llm_from_args
 
 MAX_LEN = 512
 
@@ -185,3 +187,45 @@ def test_the_cli_takes_speculative_config_as_json(model_dir):
                                       '{"method": "ngram", "num_speculative_tokens": 2}'])
     with llm_from_args(args) as llm:
         assert llm.config.speculative.num_speculative_tokens == 2
+
+
+def test_draft_limit_policy():
+    """All k drafts while they are accepted and the batch is small; fewer as acceptance drops
+    or the batch grows (a draft costs more once the step is compute-bound); none when drafts
+    miss, but one every PROBE_AFTER steps; a seeded request's limit ignores the batch."""
+    assert draft_limit(4, 1.0, 0, 1, False) == 4
+    assert draft_limit(4, 0.6, 0, 1, False) == 4         # 0.6**4 = 0.13 > 0.1
+    assert draft_limit(4, 0.6, 0, 64, False) == 2        # cost 0.325: 0.36 > it, 0.216 not
+    assert draft_limit(4, 0.9, 0, COMPUTE_BOUND_BATCH, False) == 0
+    assert draft_limit(4, 0.9, 0, COMPUTE_BOUND_BATCH, True) == 4
+    assert draft_limit(4, 0.05, 0, 1, False) == 0
+    assert draft_limit(4, 0.05, PROBE_AFTER, 1, False) == 1
+
+
+def test_speculation_backs_off_on_unpredictable_text_and_stays_on_for_repetitive_text(model_dir, monkeypatch):
+    """Unpredictable: sampled text, where a 1-token n-gram almost always matches somewhere and
+    proposes tokens the target rarely draws. Without adaptation nearly every step drafts k tokens
+    that are mostly rejected; with it, drafting backs off to the probes. Repetitive: greedy text
+    the model repeats keeps drafting k, nearly all accepted."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, 400) for _ in range(200)]
+    sampled = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=3)
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+
+    def drafts_per_token(params, prompt_ids, config=config):
+        with LLM(model_dir, max_model_len=MAX_LEN, speculative_config=config) as llm:
+            out = llm.generate([prompt_ids], params, use_tqdm=False)[0]
+            stats = llm.stats()
+        return stats["spec_num_draft_tokens"] / len(out["token_ids"]), stats
+    adaptive, adaptive_stats = drafts_per_token(sampled, prompt)
+    with monkeypatch.context() as m:
+        m.setattr(scheduler_module, "draft_limit", lambda k, *args: k)
+        always, always_stats = drafts_per_token(sampled, prompt)
+    print(f"unpredictable: {always:.2f} draft tokens per output token always, {adaptive:.2f} adaptive "
+          f"(acceptance {always_stats['spec_num_accepted_tokens'] / always_stats['spec_num_draft_tokens']:.2f})")
+    assert always > 2 and adaptive < always / 4
+    repetitive, stats = drafts_per_token(SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), REPETITIVE,
+                                         ngram(4))
+    mean_length = 1 + stats["spec_num_accepted_tokens"] / stats["spec_num_drafts"]
+    print(f"repetitive: {repetitive:.2f} draft tokens per output token, mean acceptance length {mean_length:.2f}")
+    assert repetitive > 0.5 and mean_length > 1.5

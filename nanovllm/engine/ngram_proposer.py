@@ -39,7 +39,8 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, max_len: int | None = None) -> list[int]:
         """Draft tokens for one sequence (its prompt + completion tokens): what followed the most
-        recent earlier occurrence of its longest matching suffix n-gram, at most
+        recent earlier occurrence of its longest matching suffix n-gram (the most recent that the
+        full count follows, if any), at most
         min(num_speculative_tokens, max_len) of them (max_len <= 0 gives []); [] on no match."""
         limit = self.k if max_len is None else min(self.k, max_len)
         # Converting a Python list dominates the cost on long sequences (~0.3 ms for 32k tokens,
@@ -71,8 +72,11 @@ class NgramProposer:
                 break  # no longer n-gram can match either
             if n >= self.min_n:
                 # The most recent occurrence (the largest end): repeated text tends to continue
-                # as it did the last time. vLLM's n-gram proposers take the first match instead.
-                best_end = int(ends[-1])
+                # as it did the last time (vLLM's n-gram proposers take the first match instead);
+                # but the most recent one that `limit` tokens follow, if any: in a run of one
+                # token ("a a a a"), the latest match is followed by one token only.
+                full = ends[ends <= length - 1 - limit]
+                best_end = int(full[-1]) if full.size else int(ends[-1])
         if best_end < 0:
             return []
         # Fewer than `limit` when the sequence ends first.

@@ -15,7 +15,10 @@ import torch
 class StepRecorder:
     def __init__(self, device: str = "cpu", timeline: bool = False):
         # Throughput since attached: a step with any prefill tokens counts as prefill time.
-        self.totals = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0}
+        # sampling_forwards: a sequence's forwards that end in sampling (1 per output token unless
+        # speculative steps emit several)
+        self.totals = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0,
+                       "sampling_forwards": 0}
         # timeline: one dict per step accounted for: its wall time, the host's share of it (all but
         # launching the model and waiting for the tokens), the step's sequences, prefill and decode
         # tokens, KV blocks in use and preemptions so far
@@ -49,6 +52,7 @@ class StepRecorder:
         kind = "decode" if num_tokens == len(step.seqs) else "prefill"
         self.totals[f"{kind}_tokens"] += num_tokens
         self.totals[f"{kind}_time_s"] += step_s
+        self.totals["sampling_forwards"] += len(step.sampling)
         if self.records is not None:
             num_decode = sum(1 for samples, n, start in zip(step.samples, step.num_new, step.starts)
                              if samples and n == 1 and start > 0)

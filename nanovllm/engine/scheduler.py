@@ -47,6 +47,37 @@ class ScheduledStep:
         return batch
 
 
+# Adaptive speculation (draft_limit): how acceptance is remembered, when drafting stops paying, and
+# how often a sequence that stopped tries again.
+ACCEPTANCE_MEMORY = 0.7     # acceptance_ema = MEMORY * old + (1 - MEMORY) * accepted / drafted
+MIN_DRAFT_COST = 0.1        # a draft's cost, relative to a forward, while decode is memory-bound
+COMPUTE_BOUND_BATCH = 256   # running sequences at which the step is taken as compute-bound (cost 1)
+PROBE_AFTER = 16            # decode steps without drafts after which a sequence drafts once more
+
+
+def draft_limit(k: int, acceptance_ema: float, steps_since_draft: int, num_running: int, fixed_cost: bool) -> int:
+    """How many of its k drafts a sequence should verify this step.
+
+    A draft at position j is accepted only if the j - 1 before it were, with probability about
+    acceptance^j; it pays for itself when that beats its cost: the extra query token it adds to
+    the target's forward. While decode is memory-bound (small batches: the weights are read once
+    whatever the tokens) that cost is small; as the batch grows the step turns compute-bound and
+    each token costs nearly a forward of its own (COMPUTE_BOUND_BATCH). So draft the positions j
+    with acceptance^j > cost: all k on text that repeats, none on text the drafts miss. A sequence
+    at none drafts once every PROBE_AFTER steps (its text may turn repetitive), which is how its
+    acceptance is measured again. fixed_cost: a seeded request's cost ignores the batch, so its
+    draft lengths, and its tokens, do not depend on what else runs (the distribution never does).
+    """
+    load = 0.0 if fixed_cost else min(1.0, num_running / COMPUTE_BOUND_BATCH)
+    cost = MIN_DRAFT_COST + (1 - MIN_DRAFT_COST) * load
+    limit = 0
+    while limit < k and acceptance_ema ** (limit + 1) > cost:
+        limit += 1
+    if limit == 0 and steps_since_draft >= PROBE_AFTER:
+        return 1
+    return limit
+
+
 class SpecStats:
     """Speculative decoding's counts, vLLM's: drafts proposed (sequences that drafted, per step),
     draft tokens, accepted tokens, and accepted tokens at each draft position."""
@@ -195,8 +226,13 @@ class Scheduler:
         drafts, and a seeded request's tokens, do not depend on what shares its step."""
         if seq.num_tokens != len(seq.token_ids):
             return []  # (its last token is in flight)
-        room = min(seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1)
-        return self.proposer.propose(seq.token_ids, max_len=room)
+        fixed_cost = seq.sampling_params.seed is not None
+        limit = draft_limit(self.proposer.k, seq.spec_acceptance, seq.spec_steps_since_draft, len(self.running),
+                            fixed_cost)
+        room = min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1)
+        drafts = self.proposer.propose(seq.token_ids, max_len=room) if room > 0 else []
+        seq.spec_steps_since_draft = 0 if drafts else seq.spec_steps_since_draft + 1
+        return drafts
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while
@@ -294,6 +330,8 @@ class Scheduler:
                 self.spec_stats.count(drafts[i], len(tokens) - 1)
                 seq.spec_draft_tokens += drafts[i]
                 seq.spec_accepted_tokens += len(tokens) - 1
+                seq.spec_acceptance = (ACCEPTANCE_MEMORY * seq.spec_acceptance
+                                       + (1 - ACCEPTANCE_MEMORY) * (len(tokens) - 1) / drafts[i])
             for j, token in enumerate(tokens):
                 self._append([seq], [token], [logprobs[i][j]] if logprobs is not None else None)
                 if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit) and self._stops(seq, token):

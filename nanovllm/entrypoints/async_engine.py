@@ -369,6 +369,8 @@ class AsyncEngine:
         stats = self.llm.stats()
         self.stats = {"num_running": stats["num_running"], "num_waiting": stats["num_waiting"] + self._num_held,
                       "kv_cache_usage": (stats["num_blocks"] - stats["num_free_blocks"]) / stats["num_blocks"],
-                      "num_cached_tokens": stats["num_cached_tokens"], "num_preemptions": stats["num_preemptions"]}
+                      **{key: stats[key] for key in ("num_cached_tokens", "num_preemptions", "spec_num_drafts",
+                                                     "spec_num_draft_tokens", "spec_num_accepted_tokens",
+                                                     "spec_num_accepted_tokens_per_pos")}}
         if self.metrics is not None:
             self.metrics.stepped(self.stats)

@@ -33,7 +33,15 @@ class ServingMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("nanovllm:e2e_request_latency_seconds", "Arrival to finish of a sequence.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self._cached_tokens = self._num_preemptions = 0  # the engine's cumulative counts, last seen
+        self.spec_drafts = Counter("nanovllm:spec_decode_num_drafts", "Speculative steps' drafts (one per sequence "
+                                   "that drafted).", registry=r)
+        self.spec_draft_tokens = Counter("nanovllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.spec_accepted_tokens = Counter("nanovllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("nanovllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their position in the draft.", ["position"],
+                                             registry=r)
+        self._last: dict = {}  # the engine's cumulative counts, last seen
 
     def request_added(self, num_prompt_tokens: int):
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -56,9 +64,15 @@ class ServingMetrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
-        if stats["num_cached_tokens"] != self._cached_tokens:
-            self.prefix_cache_hits.inc(stats["num_cached_tokens"] - self._cached_tokens)
-            self._cached_tokens = stats["num_cached_tokens"]
-        if stats["num_preemptions"] != self._num_preemptions:
-            self.preemptions.inc(stats["num_preemptions"] - self._num_preemptions)
-            self._num_preemptions = stats["num_preemptions"]
+        for key, counter in (("num_cached_tokens", self.prefix_cache_hits), ("num_preemptions", self.preemptions),
+                             ("spec_num_drafts", self.spec_drafts), ("spec_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_num_accepted_tokens", self.spec_accepted_tokens)):
+            self._advance(counter, key, stats[key])
+        for position, value in enumerate(stats["spec_num_accepted_tokens_per_pos"]):
+            self._advance(self.spec_accepted_per_pos.labels(position=str(position)), f"per_pos_{position}", value)
+
+    def _advance(self, counter, key: str, value: int):
+        """Advance counter by how much the engine's cumulative count `key` grew since last seen."""
+        if value != self._last.get(key, 0):
+            counter.inc(value - self._last.get(key, 0))
+            self._last[key] = value
