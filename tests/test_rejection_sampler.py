@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from nanovllm.layers.rejection_sampler import DRAFT_SALT, target_probs, verify
-from nanovllm.layers.sampler import SamplingBatch, apply_min_p, apply_top_k_top_p, sample_from, uniform_per_row
+from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_top_k_top_p, sample_from,
+                                     uniform_per_row)
 
 V, N = 8, 100_000
 TV_BOUND = math.sqrt(2 * (V * math.log(2) + math.log(1e6)) / N) / 2
@@ -138,3 +139,23 @@ def test_outputs_depend_on_the_request_alone():
     runs = {tuple(verify(probs[rows], argmax[rows], greedy_rows[2:], drafts[2:], lengths[2:], q[rows],
                          torch.tensor([seed]), positions[2:])[0][0].tolist()) for seed in range(40)}
     assert len(runs) > 1
+
+
+def test_without_drafts_a_row_gets_the_plain_samplers_token():
+    """A sequence with no drafts in a speculative step draws exactly the token plain sampling
+    would (the same uniform, from the same filtered probabilities), so a step's drafts elsewhere
+    in the batch change nothing for it."""
+    torch.manual_seed(1)
+    rows, vocab = 64, 3000  # (more than NUM_CANDIDATES: the plain sampler's candidate path)
+    logits = torch.randn(rows, vocab) * 3
+    seeds, positions = torch.arange(rows, dtype=torch.int64) * 31, torch.arange(rows, dtype=torch.int64) + 100
+    batch = SamplingBatch(temperatures=torch.full((rows,), 0.8), seeds=seeds, positions=positions,
+                          top_ks=torch.full((rows,), 50, dtype=torch.int64), top_ps=torch.full((rows,), 0.9),
+                          min_ps=torch.full((rows,), 0.05))
+    plain, _, redo = Sampler()(logits, batch)
+    if redo is not None:
+        redo.redraw_into(plain)
+    probs, argmax = target_probs(logits, batch)
+    tokens, emitted = verify(probs, argmax, torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, 0, dtype=torch.int64),
+                             torch.zeros(rows, dtype=torch.int64), None, seeds, positions)
+    assert (emitted == 1).all() and tokens[:, 0].tolist() == plain.tolist()
