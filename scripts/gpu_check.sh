@@ -8,25 +8,27 @@
 #   3. bench.py on the default workload, with the Hugging Face baseline capped in time, then
 #      again with the synchronous loop (--no-async-scheduling) to show what overlap buys,
 #   4. a short bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with
-#      CUDA graphs, at its serving shape, when the GPU has the memory.
+#      CUDA graphs, at its serving shape, when the GPU has the memory,
+#   5. batch-1 greedy decode of a repetitive prompt, with and without n-gram speculation.
 # A one-line summary per step (pass/fail, seconds) ends the log; the exit status is 0 only if
 # every step that ran passed.
 # Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
 # The log goes to $OUT/gpu_check.log ($OUT is the device tool's output folder; elsewhere it
 # defaults to /tmp/gpu_check).
 #
-# Time boxes (seconds), 400 in all: gpu tests 70, Triton kernel tests 85, the one-test rerun 30,
-# decode micro-benchmark 20, bench.py vs HF 80, synchronous bench.py 50, MoE bench.py 65.
+# Time boxes (seconds), 450 in all: gpu tests 70, Triton kernel tests 85, the one-test rerun 30,
+# decode micro-benchmark 20, bench.py vs HF 80, synchronous bench.py 50, MoE bench.py 65,
+# batch-1 decode with and without speculation 25 each.
 # A step that reaches its box gets SIGINT (pytest then still prints its failures, durations and
 # the test it was in; python prints a traceback), and SIGKILL 15 s later if it is still running.
-# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 400, so
+# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 450, so
 # the script ends within ~7 minutes whatever happens; a smaller one makes a quick dry run); a
 # step with under MIN_STEP_S left is skipped and reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-400}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
 MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
 KILL_AFTER_S=15        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
 mkdir -p "$OUT"
@@ -111,6 +113,11 @@ else
   echo "=== bench.py qwen3-30b-a3b (MoE) skipped: it needs a GPU with 80 GB or more"
   summary+=("$(printf '%-5s %5s  %s' SKIP - "bench.py qwen3-30b-a3b (MoE): needs a GPU with 80 GB or more")")
 fi
+BATCH1=(python3 bench.py --num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 512
+        --max-output-len 512 --repetitive --temperature 0 --json)
+run "bench.py batch-1 greedy decode, repetitive prompt" 25 "${BATCH1[@]}"
+run "bench.py batch-1 greedy decode, repetitive prompt, n-gram speculation (k=4)" 25 "${BATCH1[@]}" \
+  --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
 echo "=== summary (${BUDGET_S} s budget, $((SECONDS - start_all)) s used)"
 printf '%s\n' "${summary[@]}"
 echo "=== gpu_check exit status $status"
