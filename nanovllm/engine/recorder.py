@@ -49,7 +49,8 @@ class StepRecorder:
         step_s, self._last = now - self._last, now
         step = done.step
         num_tokens = sum(step.num_new)
-        kind = "decode" if num_tokens == len(step.seqs) else "prefill"
+        drafts = step.num_drafts or [0] * len(step.seqs)  # (a speculative decode computes 1 + its drafts)
+        kind = "decode" if all(n == 1 + d for n, d in zip(step.num_new, drafts)) else "prefill"
         self.totals[f"{kind}_tokens"] += num_tokens
         self.totals[f"{kind}_time_s"] += step_s
         self.totals["sampling_forwards"] += len(step.sampling)
