@@ -10,7 +10,7 @@ import pytest
 import nanovllm.engine.scheduler as scheduler_module
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import build_parser
-from nanovllm.engine.scheduler import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
+from nanovllm.engine.spec_decode import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
 from nanovllm.entrypoints.args import llm_from_args
 
 MAX_LEN = 512
