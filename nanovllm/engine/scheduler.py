@@ -57,6 +57,8 @@ class Scheduler:
     prefilled in chunks over several steps. When a running sequence needs a block and none is
     free, the most recently admitted running sequence is preempted: its blocks are freed and it
     returns to the front of the waiting queue, to be recomputed (its cached blocks may revive).
+    With speculative decoding a decoding sequence may also run its draft tokens (_drafts), all
+    of them verified in the step; complete() then takes back the ones the target rejected.
     """
 
     def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
