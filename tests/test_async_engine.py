@@ -21,6 +21,15 @@ def llm(model_dir):
     return LLM(model_dir, max_model_len=512)
 
 
+async def until(condition, timeout: float = 5.0):
+    """Wait for condition() to hold (the engine thread gets there within a few steps)."""
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
 def all_blocks_free(llm) -> bool:
     stats = llm.stats()
     return stats["num_free_blocks"] == stats["num_blocks"]
@@ -146,11 +155,6 @@ def test_queue_limit(model_dir):
     long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 
     async def main():
-        async def until(condition):
-            for _ in range(500):
-                if condition():
-                    return
-                await asyncio.sleep(0.01)
         await engine.submit([1], long)  # runs, in the one sequence slot
         await until(lambda: engine.stats["num_running"] == 1)
         await engine.submit([2], long)  # waits
@@ -209,12 +213,6 @@ def test_held_requests_are_dropped_by_abort_and_ended_by_abort_all(model_dir):
     long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 
     async def main():
-        async def until(condition):
-            for _ in range(500):
-                if condition():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(engine.stats)
         running = engine.submit_all([[1, 2]], [long])
         await until(lambda: engine.stats["num_running"] == 1)
         held = engine.submit_all([[3, 4], [5, 6], [7, 8]], [long] * 3)
