@@ -116,7 +116,7 @@ class VerifiedTokens:
     """A speculative step's result on its way to the host: each sampling sequence's emitted
     tokens (its accepted drafts, then one more) and their logprobs. The host waits for them at
     once: its next drafts depend on them (speculative steps do not overlap)."""
-    corrected: list[int] = []  # (as SampledTokens': nothing is ever redrawn here)
+    corrected: tuple = ()  # (as SampledTokens': nothing is ever redrawn here)
     wait_s = 0.0
 
     def __init__(self, tokens: torch.Tensor, emitted: torch.Tensor, logprobs: tuple | None,
