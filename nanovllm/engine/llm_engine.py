@@ -455,7 +455,8 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
-        and waiting (samples not started yet included), and cumulative counts (preemptions, prompt tokens served by the prefix cache)."""
+        and waiting (samples not started yet included), and cumulative counts (preemptions, prompt
+        tokens served by the prefix cache, speculative decoding's drafts and accepted tokens)."""
         spec = self.scheduler.spec_stats
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,

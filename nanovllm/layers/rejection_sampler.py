@@ -79,7 +79,7 @@ def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.
                             (positions[:, None] + j).reshape(-1)).view(num_seqs, k)
         accepted = torch.where(greedy_rows[:, None], accepted, u * q_x < p_x)   # with probability min(1, p/q)
     num_accepted = (accepted & is_draft).int().cumprod(1).sum(1)                # [B] the leading run
-    last = starts + num_accepted                                                # [B] the row that decides the next token
+    last = starts + num_accepted                                                # [B] the row of the next token
     next_token = argmax[last]
     if probs is not None:
         rejected = num_accepted < lengths
