@@ -143,3 +143,13 @@ def test_matches_reference(tokens, k, bounds, max_len):
 def test_invalid_config_raises(args, name):
     with pytest.raises(ValueError, match=name):
         NgramProposer(*args)
+
+
+def test_token_buffer_follows_a_growing_list():
+    from nanovllm.engine.ngram_proposer import TokenBuffer
+    rng = np.random.default_rng(3)
+    tokens, buffer = [], TokenBuffer()
+    for _ in range(50):
+        tokens.extend(rng.integers(0, 1000, rng.integers(1, 40)).tolist())
+        assert buffer.view(tokens).tolist() == tokens
+    assert NgramProposer(3, 2, 4).propose(buffer.view(tokens)) == NgramProposer(3, 2, 4).propose(tokens)

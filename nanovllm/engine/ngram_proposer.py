@@ -22,6 +22,30 @@ def _check_int(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+class TokenBuffer:
+    """A sequence's tokens as a growing numpy array, for the proposer: converting the whole Python
+    list at every step costs more than the search itself (2 to 21 ms per 256-sequence step at 512
+    to 8,192 tokens per sequence); this copies only the tokens appended since the last step. The
+    list only ever grows while a sequence runs, so its tail is all that is new."""
+
+    def __init__(self):
+        self.array = np.empty(256, dtype=np.int64)
+        self.length = 0
+
+    def view(self, token_ids: list[int]) -> np.ndarray:
+        """token_ids as an array (its new tail copied in)."""
+        n = len(token_ids)
+        assert n >= self.length, "a running sequence's tokens only grow"
+        if n > len(self.array):  # (doubling: appends cost O(1) each, amortized)
+            grown = np.empty(max(n, 2 * len(self.array)), dtype=np.int64)
+            grown[:self.length] = self.array[:self.length]
+            self.array = grown
+        if n > self.length:
+            self.array[self.length:n] = token_ids[self.length:]
+        self.length = n
+        return self.array[:n]
+
+
 class NgramProposer:
     """Proposes up to `num_speculative_tokens` draft tokens per sequence by prompt lookup, trying
     n-grams of `prompt_lookup_max` tokens down to `prompt_lookup_min` (the longest match wins)."""

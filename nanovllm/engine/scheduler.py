@@ -8,7 +8,7 @@ import numpy as np
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import BatchState, SamplingInputs
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.ngram_proposer import NgramProposer
+from nanovllm.engine.ngram_proposer import NgramProposer, TokenBuffer
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.spec_decode import ACCEPTANCE_MEMORY, SpecStats, draft_limit
 from nanovllm.engine.step_batch import StepBatch, expand_runs
@@ -186,7 +186,9 @@ class Scheduler:
         limit = draft_limit(self.proposer.k, seq.spec_acceptance, seq.spec_steps_since_draft, len(self.running),
                             fixed_cost)
         room = min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1)
-        drafts = self.proposer.propose(seq.token_ids, max_len=room) if room > 0 else []
+        if seq.token_buffer is None:
+            seq.token_buffer = TokenBuffer()
+        drafts = self.proposer.propose(seq.token_buffer.view(seq.token_ids), max_len=room) if room > 0 else []
         seq.spec_steps_since_draft = 0 if drafts else seq.spec_steps_since_draft + 1
         return drafts
 
