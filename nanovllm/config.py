@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.layers.backends import resolve_backend
 from nanovllm.models import resolve_model_class
 
@@ -50,7 +51,6 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens (the draft length k >= 1)")
         config = cls(**value)
-        from nanovllm.engine.ngram_proposer import NgramProposer
         NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)  # (checks)
         return config
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanovllm.engine.ngram_proposer import NgramProposer
+from nanovllm.engine.ngram_proposer import NgramProposer, TokenBuffer
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int, max_len: int | None = None) -> list[int]:
@@ -146,7 +146,6 @@ def test_invalid_config_raises(args, name):
 
 
 def test_token_buffer_follows_a_growing_list():
-    from nanovllm.engine.ngram_proposer import TokenBuffer
     rng = np.random.default_rng(3)
     tokens, buffer = [], TokenBuffer()
     for _ in range(50):
