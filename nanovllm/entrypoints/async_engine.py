@@ -236,6 +236,7 @@ class AsyncEngine:
             while True:
                 idle = llm.is_finished() and not self._held
                 command = self._commands.get() if idle else self._next_command()
+                changed = command is not None
                 while command is not None:
                     if isinstance(command, Stop):
                         self._abort_all()
@@ -244,8 +245,8 @@ class AsyncEngine:
                         return
                     self._handle(command)
                     command = self._next_command()
-                self._feed()
-                self._snapshot()  # (the queue limit counts what was just queued)
+                if self._feed() or changed:
+                    self._snapshot()  # (the queue limit counts what was just queued)
                 if not llm.is_finished():
                     self._deliver(llm.step())
                 self._flush()
@@ -291,12 +292,19 @@ class AsyncEngine:
     def _feed(self):
         """Hand held requests to the engine, one call's next request at a time, calls in turn,
         while fewer than max_num_seqs sequences wait in the engine: as many as a step could admit,
-        so the engine never runs short, and a later call waits behind at most that many."""
-        while self._held and self.llm.stats()["num_waiting"] < self.llm.config.max_num_seqs:
+        so the engine never runs short, and a later call waits behind at most that many. Returns
+        whether it fed any."""
+        room = self.llm.config.max_num_seqs - self.llm.stats()["num_waiting"]
+        fed = False
+        while self._held and room > 0:
             call = self._held.popleft()
-            self._add(call.popleft())
+            request = call.popleft()
+            self._add(request)
+            room -= request.params.n  # (its samples wait in the engine now: the first, and its forks)
+            fed = True
             if call:
                 self._held.append(call)
+        return fed
 
     def _add(self, request: Request):
         self._num_held -= request.params.n
