@@ -129,6 +129,21 @@ def test_every_mistake_is_a_400_naming_its_field(server, path, raw, param, words
     assert "SamplingParams" not in error["message"] and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options"),
+])
+def test_a_field_the_server_does_not_support_is_a_400_never_ignored(server, path, body, param):
+    error = error_of(http(server, "POST", path, json=body), 400)
+    assert error["param"] == param and "not supported" in error["message"], error
+
+
 def test_media_types(server):
     error = error_of(post(server, "/v1/completions", b"prompt=hi", content_type="application/x-www-form-urlencoded"),
                      415)

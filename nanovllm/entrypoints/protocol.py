@@ -1,6 +1,8 @@
 """The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a
 body is parsed (`parse_body`: JSON, checked strictly, every mistake a BadRequest naming the
-field) and how it becomes SamplingParams. Fields the server does not use are ignored.
+field) and how it becomes SamplingParams. A field the server does not support (tools,
+response_format, logit_bias, ...) is a 400 naming it, never silently ignored; chat messages may
+carry any field (name, tool_calls, ...): they are passed on to the chat template.
 
 Types are strict, as the API's schema says: `"max_tokens": "5"` or a token id `false` is refused,
 not coerced (an int where a float is expected is fine).
@@ -26,7 +28,7 @@ class BadRequest(ValueError):
         self.param, self.status = param, status
 
 
-STRICT = ConfigDict(extra="ignore", strict=True)
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
@@ -200,6 +202,9 @@ def parse_body(raw: bytes, content_type: str | None, model: type[SamplingRequest
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
+        if first["type"] == "extra_forbidden":
+            field = ".".join(map(str, first["loc"]))
+            raise BadRequest(f"{field} is not supported by this server", str(first["loc"][0])) from None
         location = [str(part) for part in first["loc"] if isinstance(part, int) or part in FIELD_NAMES]
         raise BadRequest(f"{'.'.join(location) or 'body'}: {first['msg']}", location[0] if location else None) from None
 
