@@ -67,6 +67,20 @@ def make_workload(num_seqs=256, min_input_len=100, max_input_len=1024, min_outpu
     return prompts, max_tokens
 
 
+def dummy_draft(speculative_config: str | None) -> str | None:
+    """--speculative-config with a draft "model": "dummy:PRESET" (random weights of that preset's
+    shape; the target's preset gives the target's weights) as a folder the engine can read."""
+    if speculative_config is None:
+        return None
+    config = json.loads(speculative_config)
+    model = config.get("model")
+    if isinstance(model, str) and model.startswith("dummy:"):
+        if model[len("dummy:"):] not in PRESETS:
+            raise SystemExit(f"--speculative-config: unknown preset {model!r}; presets: {sorted(PRESETS)}")
+        config["model"] = write_dummy_config(model[len("dummy:"):])
+    return json.dumps(config)
+
+
 def write_dummy_config(preset: str) -> str:
     import transformers
     settings = dict(PRESETS[preset])
@@ -125,8 +139,9 @@ def warm_up(llm, prompts):
 
 def draw_timeline(records: list[dict], num_blocks: int, path: str):
     """One picture of the run, step by step: continuous batching (sequences joining and leaving),
-    prefill against decode tokens, KV blocks in use and the preemptions when they run out, and
-    how much of each step the host spent outside the model."""
+    prefill against decode tokens (with speculation, the drafts verified and the tokens out), KV
+    blocks in use and the preemptions when they run out, and how much of each step the host spent
+    outside the model."""
     try:
         import matplotlib
     except ImportError as e:
@@ -140,6 +155,9 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
     axes[0].set_ylabel("sequences\nin the step")
     axes[1].stackplot(steps, col("prefill_tokens"), col("decode_tokens"), labels=["prefill", "decode"],
                       colors=["tab:orange", "tab:green"])
+    if any(r["draft_tokens"] for r in records):  # speculative decoding: what each step verified and kept
+        axes[1].plot(steps, col("draft_tokens"), color="tab:red", linewidth=0.8, label="drafts verified")
+        axes[1].plot(steps, col("emitted_tokens"), color="black", linewidth=0.8, label="tokens out")
     axes[1].set_ylabel("tokens")
     axes[1].legend(loc="upper right")
     axes[2].plot(steps, col("used_blocks"), color="tab:purple", label="in use")
@@ -323,6 +341,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     path = args.model or write_dummy_config(args.dummy)
+    args.speculative_config = dummy_draft(args.speculative_config)
     from transformers import AutoConfig
     vocab_size = AutoConfig.from_pretrained(path).vocab_size
     prompts, max_tokens = make_workload(args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,

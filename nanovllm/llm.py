@@ -22,10 +22,12 @@ class LLM(LLMEngine):
     attention_backend: "flash_attn", "triton", "torch" or None (the best available).
     load_format: "auto" (safetensors) or "dummy" (random weights, for benchmarks).
     speculative_config: speculative decoding, with vLLM's names: {"method": "ngram",
-        "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (None: off).
-        Each decoding sequence proposes up to k draft tokens by prompt lookup, and one forward
-        of the target checks them all (layers/rejection_sampler.py): greedy output is unchanged,
-        sampled output keeps the target's distribution. Speculative steps run synchronously.
+        "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt
+        lookup), or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}
+        (a smaller model with the target's tokenizer; on rank 0 only), None: off. Each decoding
+        sequence proposes up to k draft tokens, and one forward of the target checks them all
+        (layers/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
+        target's distribution. Speculative steps run synchronously.
     """
 
     def __init__(self, model: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,

@@ -73,3 +73,25 @@ def test_moe_presets():
                          "--min-output-len", "4", "--max-output-len", "16", "--device", "cpu", "--max-model-len", "64"])
     _, max_tokens = bench.make_workload(8, 8, 32, 4, 16, 0, 16384)
     assert result["output_tokens"] == sum(max_tokens)
+
+
+def test_speculative_run_with_a_dummy_draft_and_its_timeline(tmp_path, monkeypatch):
+    """--speculative-config with the target's own preset as the draft ("dummy:qwen3-tiny": the
+    same random weights): every draft is accepted, about 1 / (k + 1) target forwards per output
+    token, and the timeline records each step's drafts and tokens out."""
+    import pytest
+    pytest.importorskip("matplotlib", reason="--timeline needs matplotlib (the 'plot' extra)")
+    records = []
+    monkeypatch.setattr(bench, "draw_timeline", lambda steps, num_blocks, path: records.extend(steps))
+    config = {"method": "draft_model", "model": "dummy:qwen3-tiny", "num_speculative_tokens": 4}
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "4", "--min-input-len", "16", "--max-input-len", "32",
+                         "--min-output-len", "64", "--max-output-len", "64", "--device", "cpu",
+                         "--max-model-len", "128",
+                         "--temperature", "0", "--speculative-config", json.dumps(config),
+                         "--timeline", str(tmp_path / "t.png")])
+    # (k = 4: a mean acceptance length of 5, less where the last drafts stop short of max_tokens)
+    assert result["spec_acceptance_rate"] == 1.0 and result["spec_mean_acceptance_length"] > 4.5
+    assert result["target_forwards_per_output_token"] < 0.25
+    speculative = [r for r in records if r["draft_tokens"]]
+    assert speculative and all(r["emitted_tokens"] == r["draft_tokens"] + r["num_seqs"] for r in speculative)
+    assert sum(r["emitted_tokens"] for r in records) == result["output_tokens"]

@@ -94,16 +94,20 @@ def test_tp2_overlapped_equals_tp1_synchronous_on_a_mixed_workload(model_dir):
     assert_same_logprobs(outputs, reference)
 
 
-def test_tp2_speculative_equals_tp1_plain(model_dir):
-    """Speculative decoding with two ranks: the drafts go to every rank's token table in the
-    step's message, and rank 0 broadcasts where each sequence's next token goes; greedy output
-    equals one rank's plain decoding, under preemption too."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_speculative_equals_tp1_plain(model_dir, method):
+    """Speculative decoding with two ranks: n-gram drafts go to every rank's token table in the
+    step's message; a draft model runs on rank 0, which broadcasts its drafts; rank 0 broadcasts
+    where each sequence's next token goes. Greedy output equals one rank's plain decoding, under
+    preemption too."""
     prompts = [[11, 22, 33, 44, 55, 66, 77, 88] * 5, [5, 6, 7] * 9, list(range(100, 140))]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     options = dict(max_model_len=256, num_kvcache_blocks=16, kvcache_block_size=16)
     reference = LLM(model_dir, **options).generate(prompts, params, use_tqdm=False)
-    with LLM(model_dir, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-             **options) as llm:
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config["model"] = model_dir  # (identical: every draft is accepted)
+    with LLM(model_dir, tensor_parallel_size=2, speculative_config=config, **options) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
     assert [o["token_ids"] for o in outputs] == [r["token_ids"] for r in reference]

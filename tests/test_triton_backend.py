@@ -688,7 +688,7 @@ def test_a_decode_graph_computes_what_the_eager_step_does(monkeypatch, model_dir
     batch = step.batch()
     assert (batch.num_new == 1).all()  # a decode step
     with torch.inference_mode():
-        inputs = runner.prepare(batch)
+        inputs = runner.prepare(batch, None)
         with forward_context(inputs.context):
             eager = runner.model(inputs.input_ids, inputs.positions)
         graphs = DecodeGraphs(runner.model, runner.token_table, runner.block_tables, runner.block_size,

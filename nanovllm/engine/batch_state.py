@@ -48,6 +48,20 @@ class SamplingInputs:
     banned: tuple[list[int], list[int]] | None = None  # (sampling row index, token id): stop tokens before min_tokens
     num_logprobs: list[int | None] | None = None  # per row: its SamplingParams.logprobs
 
+    def select(self, indices: np.ndarray) -> "SamplingInputs":
+        """The inputs of these rows alone (a draft model draws with them), logprobs left out."""
+        def pick(a):
+            return a[indices] if a is not None else None
+        banned = None
+        if self.banned is not None:
+            new_index = {int(old): new for new, old in enumerate(indices)}
+            pairs = [(new_index[i], t) for i, t in zip(*self.banned) if i in new_index]
+            banned = ([i for i, _ in pairs], [t for _, t in pairs]) if pairs else None
+        return SamplingInputs(self.needs & ~Need.LOGPROBS, self.rows[indices], self.positions[indices],
+                              pick(self.seeds), pick(self.temperatures), pick(self.top_ks), pick(self.top_ps),
+                              pick(self.min_ps), {k: v[indices] for k, v in self.penalties.items()}
+                              if self.penalties is not None else None, banned)
+
 
 class BatchState:
     """Row allocation, and the per-row sampling parameters of the running sequences: one numpy

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from nanovllm.config import Config
+from nanovllm.config import Config, check_draft_tokenizer
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
@@ -69,6 +69,9 @@ class LLMEngine:
         configure_logging()  # (here, not on import: an application configures its logging first)
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
+        if config.draft_hf_config is not None:  # its token ids must mean the target's text
+            check_draft_tokenizer(self.tokenizer, load_tokenizer(config.speculative.model), config.hf_config.vocab_size,
+                                  config.draft_hf_config.vocab_size, config.speculative.model)
         eos = config.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
@@ -246,7 +249,7 @@ class LLMEngine:
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         self._deliver(updated)
         if self.recorder is not None:
-            self.recorder.step_accounted(done, self)
+            self.recorder.step_accounted(done, self, tokens)
         return updated
 
     def _launch(self) -> InFlightStep | None:

@@ -1,5 +1,5 @@
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 
 import numpy as np
@@ -9,8 +9,9 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_inputs, graph_batch_sizes, padded_batch_size
-from nanovllm.engine.step_batch import StepBatch, expand_runs
-from nanovllm.layers.attention import Attention
+from nanovllm.engine.draft_model import DraftModel
+from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
+from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.rejection_sampler import target_probs, verify
 from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
@@ -227,8 +228,12 @@ class ModelRunner:
         # The CUDA-graph ladder, eager steps included: a decode step records the size it pads to
         # (Context.padded_batch), from which attention sizes its split-KV the same in both paths.
         self.graph_sizes = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
+        # speculative decoding's draft model: on rank 0 alone (engine/draft_model.py)
+        self.drafter = DraftModel(config, self) if config.draft_hf_config is not None and self.rank == 0 else None
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_graphs() if self.use_graphs else None
+        if self.drafter is not None and self.use_graphs:
+            self.drafter.graphs = self.drafter.capture_graphs(show_progress=True)
 
     def _capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
         max_batch = self.graph_sizes[-1]
@@ -239,9 +244,9 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
-        layer = self.attention_layers[0]
-        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim * self.config.dtype.itemsize
-        return self.block_size * per_token
+        """Bytes of one KV block, the draft model's part included (its cache has the same blocks)."""
+        own = kv_block_bytes(self.attention_layers, self.block_size, self.config.dtype)
+        return own + (self.drafter.kv_block_bytes() if self.drafter is not None else 0)
 
     def _num_kv_blocks(self) -> int:
         config = self.config
@@ -264,16 +269,17 @@ class ModelRunner:
 
     def _graph_memory(self) -> int:
         """Device memory the decode CUDA graphs will hold, measured before the KV cache takes the
-        rest: the largest batch of the ladder is captured once over a throwaway cache of one
-        sequence's blocks, and the drop in free memory (its pool, static buffers and the graph
+        rest: the largest batch of the ladder is captured once (the draft model's too) over a
+        throwaway cache of one sequence's blocks, and the drop in free memory (its pool, static buffers and the graph
         itself) is what capture takes. The ladder's smaller graphs share that pool; their own
         executables are what GRAPH_MEMORY_MARGIN allows for."""
         torch.cuda.empty_cache()
         self._bind_kv_cache(self.config.max_blocks_per_seq)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         graphs = self._capture_graphs(largest_only=True)
+        draft_graphs = self.drafter.capture_graphs(largest_only=True) if self.drafter is not None else None
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        del graphs
+        del graphs, draft_graphs
         self._bind_kv_cache(None)
         torch.cuda.empty_cache()
         return int(used * GRAPH_MEMORY_MARGIN)
@@ -295,20 +301,13 @@ class ModelRunner:
     def _bind_kv_cache(self, num_blocks: int | None):
         """Allocate a KV cache of num_blocks usable blocks and hand each attention layer its slices
         (None: unbind and free it)."""
-        self.kv_cache = None
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = None
-        if num_blocks is None:
-            return
-        layer = self.attention_layers[0]
-        # [K/V, layer, block, slot in block, kv head, head dim]. One spare block at the end, never
-        # handed out: the scratch row's tokens (CUDA-graph padding) write and read there, harmlessly.
-        cache = torch.zeros(2, len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads,
-                            layer.head_dim, dtype=self.config.dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
-        self.kv_cache = cache
-        self.block_tables[self.scratch_row] = num_blocks
+        self.kv_cache = None  # (the old one is freed before the new one is allocated)
+        self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.config.dtype,
+                                      self.device)
+        if self.drafter is not None:
+            self.drafter.bind_kv_cache(num_blocks)
+        if num_blocks is not None:
+            self.block_tables[self.scratch_row] = num_blocks
 
     @torch.inference_mode()
     def _warmup(self):
@@ -350,14 +349,22 @@ class ModelRunner:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
         if self.workers is not None:
             self.last_message_bytes = self.workers.call("execute", batch)
+        if self.recorder is not None:
+            self.recorder.device_step_started()
         try:
-            logits, inputs = self._run(batch)
+            draft_probs = None
+            if self.drafter is not None:  # it drafts into the token table first, and writes the step's tables
+                draft_probs = self.drafter.propose(batch, sampling)
+                batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
+                if batch.num_drafts is not None and self.group is not None:
+                    self._share_drafts(batch)
+            logits, inputs = self._run(batch, self.model, self.graphs)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
         out = SampledTokens()
         if logits is not None and batch.num_drafts is not None:
-            out = self._verify(batch, logits, sampling)
+            out = self._verify(batch, logits, sampling, draft_probs)
         elif logits is not None:
             tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)
@@ -369,25 +376,39 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch):
         """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
-        _, inputs = self._run(batch)
+        if batch.num_drafts is not None and not batch.draft_tokens:  # rank 0's draft model drafted them
+            self.prepare(replace(batch, rows=batch.rows[:0]), None)  # (this step's table writes first)
+            batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
+            self._share_drafts(batch)
+        _, inputs = self._run(batch, self.model, self.graphs)
         if not batch.samples.any():
             return
         num_sampled = int(batch.samples.sum())
         if batch.num_drafts is not None:  # rank 0's _verify(): each sequence's next token, where it goes
-            self._keep_verified(torch.empty(2, num_sampled, dtype=torch.int64, device=self.device), batch)
+            rows = to_device(batch.rows[batch.samples].astype(np.int64), self.device)
+            self._keep_verified(torch.empty(2, num_sampled, dtype=torch.int64, device=self.device), rows)
         else:  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
             self._keep_sampled(torch.empty(num_sampled, dtype=torch.int64, device=self.device), inputs)
 
-    def _run(self, batch: StepBatch) -> tuple[torch.Tensor | None, StepInputs]:
-        """The forward of a step, and its logits on rank 0 when a sequence samples (else None)."""
-        inputs = self.prepare(batch)
+    def _run(self, batch: StepBatch, model, graphs: DecodeGraphs | None) -> tuple[torch.Tensor | None, StepInputs]:
+        """The forward of a step through model (the target, or the draft model with its graphs),
+        and its logits on rank 0 when a sequence samples (else None)."""
+        inputs = self.prepare(batch, graphs)
         with forward_context(inputs.context):
             if inputs.graph_size:
-                hidden = self.graphs.replay(inputs.rows, inputs.positions, inputs.graph_size)[:batch.num_seqs]
+                hidden = graphs.replay(inputs.rows, inputs.positions, inputs.graph_size)[:batch.num_seqs]
             else:
-                hidden = self.model(inputs.input_ids, inputs.positions)
-            logits = self.model.compute_logits(hidden) if batch.samples.any() else None
+                hidden = model(inputs.input_ids, inputs.positions)
+            logits = model.compute_logits(hidden) if batch.samples.any() else None
         return logits, inputs
+
+    def _share_drafts(self, batch: StepBatch):
+        """Tensor parallelism with a draft model: rank 0 broadcasts the drafts it wrote into its
+        token table, and the other ranks write them into theirs."""
+        rows, positions = (to_device(a, self.device) for a in draft_slots(batch))
+        drafts = self.token_table[rows, positions].long()
+        self.group.broadcast(drafts)
+        self.token_table[rows, positions] = drafts.int()
 
     def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
         """Write the step's sampled tokens ([S], on the device) into the token table, each after
@@ -401,31 +422,43 @@ class ModelRunner:
             rows, positions = rows[last], positions[last]
         self.token_table[rows, positions + 1] = tokens.to(torch.int32)
 
-    def _verify(self, batch: StepBatch, logits: torch.Tensor, sampling: SamplingInputs) -> "VerifiedTokens":
+    def _verify(self, batch: StepBatch, logits: torch.Tensor, sampling: SamplingInputs,
+                draft_probs: torch.Tensor | None) -> "VerifiedTokens":
         """A speculative step's sampling (rank 0): the rejection sampler over the logits of each
         sampling sequence's drafts and the position after them (sampling has one entry per such
-        row); the token after each one's accepted drafts goes into the token table."""
+        row); the token after each one's accepted drafts goes into the token table. The drafts
+        are the host's (n-gram: batch.draft_tokens) or the draft model's, in the token table
+        already, with their distributions draft_probs (None when every row is greedy)."""
         drafts = batch.num_drafts[batch.samples].astype(np.int64)                   # [S]
         counts = drafts + 1
         firsts = np.cumsum(counts) - counts                                          # [S] each one's first row
-        draft_ids = np.zeros((len(drafts), max(1, int(drafts.max()))), dtype=np.int64)
-        pending = iter(batch.draft_tokens)  # (in step order, as are the sequences that drafted)
-        for i in np.flatnonzero(drafts):
-            draft_ids[i, :drafts[i]] = next(pending)[2]
+        parts = {}
+        if batch.draft_tokens:
+            draft_ids = np.zeros((len(drafts), max(1, int(drafts.max()))), dtype=np.int64)
+            pending = iter(batch.draft_tokens)  # (in step order, as are the sequences that drafted)
+            for i in np.flatnonzero(drafts):
+                draft_ids[i, :drafts[i]] = next(pending)[2]
+            parts["drafts"] = draft_ids.ravel()
         greedy_rows = (sampling.temperatures[firsts] == 0 if sampling.temperatures is not None
                        else np.ones(len(drafts), dtype=bool))
         seeds = sampling.seeds[firsts] if sampling.seeds is not None else np.zeros(len(drafts), dtype=np.int64)
-        d = self.upload({"drafts": draft_ids.ravel(), "lengths": drafts, "greedy": greedy_rows.astype(np.int64),
-                         "seeds": seeds, "positions": sampling.positions[firsts], "firsts": firsts})
+        d = self.upload({**parts, "lengths": drafts, "greedy": greedy_rows.astype(np.int64), "seeds": seeds,
+                         "positions": sampling.positions[firsts], "firsts": firsts,
+                         "rows": batch.rows[batch.samples].astype(np.int64)})
+        if batch.draft_tokens:
+            draft_ids = d["drafts"].view(len(drafts), -1)
+        else:  # the draft model's, from the token table (columns past a sequence's drafts are ignored)
+            columns = d["positions"][:, None] + torch.arange(int(drafts.max()), device=self.device)
+            draft_ids = self.token_table[d["rows"][:, None], columns.clamp_(max=self.config.max_model_len - 1)].long()
         sbatch = self.sampling_batch(sampling, logits.shape[-1])
         probs, argmax = target_probs(logits, sbatch)
-        tokens, emitted = verify(probs, argmax, d["greedy"].bool(), d["drafts"].view(len(drafts), -1), d["lengths"],
-                                 None, d["seeds"], d["positions"])
+        tokens, emitted = verify(probs, argmax, d["greedy"].bool(), draft_ids, d["lengths"],
+                                 draft_probs if probs is not None else None, d["seeds"], d["positions"])
         ends = (batch.starts + batch.num_new)[batch.samples].astype(np.int64)       # [S] (all drafts accepted)
         accepted = emitted - 1
         where = torch.stack([tokens.gather(1, accepted[:, None])[:, 0], to_device(ends, self.device) - d["lengths"]
                              + accepted])
-        self._keep_verified(where, batch)
+        self._keep_verified(where, d["rows"])
         logprobs = None
         if sbatch.num_logprobs is not None:  # of each emitted token, at the row that decided it
             raw = torch.log_softmax(logits.float(), -1)
@@ -435,27 +468,28 @@ class ModelRunner:
         return VerifiedTokens(tokens, emitted, logprobs, [sampling.num_logprobs[f] for f in firsts]
                               if sampling.num_logprobs is not None else None)
 
-    def _keep_verified(self, where: torch.Tensor, batch: StepBatch):
+    def _keep_verified(self, where: torch.Tensor, rows: torch.Tensor):
         """Write each sampling sequence's next token (where [2, S]: tokens, positions) into the
         token table (rank 0 broadcasts them to the other ranks first). Accepted drafts are there
-        already; rejected ones are overwritten when their positions are computed again."""
+        already; rejected ones are overwritten when their positions are computed again. rows
+        [S]: the sequences' rows."""
         if self.group is not None:
             self.group.broadcast(where)
-        rows = to_device(batch.rows[batch.samples].astype(np.int64), self.device)
         self.token_table[rows, where[1]] = where[0].to(torch.int32)
 
-    def prepare(self, batch: StepBatch) -> StepInputs:
+    def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None) -> StepInputs | None:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
         attention metadata; write the step's block-table entries and new rows' tokens on the way.
-        Everything goes to the device in one copy."""
-        layout = self._layout(batch)
-        if self.recorder is not None:
-            self.recorder.device_step_started()
-        d = self.upload({**layout.parts, **self._table_writes(batch)})
+        Everything goes to the device in one copy. graphs: the CUDA graphs it may replay (those of
+        the model it runs through). A batch of no sequences only writes the tables (None)."""
+        layout = self._layout(batch, graphs) if batch.num_seqs else None
+        d = self.upload({**(layout.parts if layout else {}), **self._table_writes(batch)})
         if "block_ids" in d:
             self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
         if "token_ids" in d:
             self.token_table[d["token_rows"], d["token_cols"]] = d["token_ids"].int()
+        if layout is None:
+            return None
         context = self._context(batch, layout, d)
         input_ids = None
         if not layout.graph_size:  # (a graph gathers its own)
@@ -463,7 +497,7 @@ class ModelRunner:
                                                             d["positions"], self.block_size)
         return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size)
 
-    def _layout(self, batch: StepBatch) -> "StepLayout":
+    def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None) -> "StepLayout":
         """The host's part of prepare(): the row and position of every new token, and the
         per-sequence arrays attention needs."""
         num_seqs = batch.num_seqs
@@ -479,8 +513,8 @@ class ModelRunner:
             rows = batch.rows[seq_of_token]
             positions = starts[seq_of_token] + (np.arange(num_tokens) - cu_q[:-1][seq_of_token])
         graph_size = 0
-        if decode_only and self.graphs is not None and num_seqs <= self.graphs.max_batch:
-            graph_size = padded_batch_size(num_seqs, self.graphs.sizes)  # padding rows read the scratch row
+        if decode_only and graphs is not None and num_seqs <= graphs.max_batch:
+            graph_size = padded_batch_size(num_seqs, graphs.sizes)  # padding rows read the scratch row
             rows = np.concatenate([rows, np.full(graph_size - num_seqs, self.scratch_row)])
             positions = np.concatenate([positions, np.zeros(graph_size - num_seqs, dtype=np.int64)])
         lens_k = starts + num_new                                                    # [B]

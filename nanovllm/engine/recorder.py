@@ -3,8 +3,8 @@
 `recorder is not None` test and nothing else.
 
 The engine calls step_accounted() after each step it accounts for; the model runner calls
-device_step_started() just before a step's inputs are copied to the device (so on CUDA the start
-event marks when the host got to the step, not when the previous step ended) and
+device_step_started() when it starts a step's device work (a draft model's first: so on CUDA the
+start event marks when the host got to the step, not when the previous step ended) and
 device_step_ended() once its sampling is queued.
 """
 from time import perf_counter
@@ -21,7 +21,8 @@ class StepRecorder:
                        "sampling_forwards": 0}
         # timeline: one dict per step accounted for: its wall time, the host's share of it (all but
         # launching the model and waiting for the tokens), the step's sequences, prefill and decode
-        # tokens, KV blocks in use and preemptions so far
+        # tokens computed (a speculative decode's drafts among them), draft tokens, tokens emitted,
+        # KV blocks in use and preemptions so far
         self.records: list[dict] | None = [] if timeline else None
         # CUDA: (decode only?, start event, end event) per launched step
         self.cuda_events: list | None = [] if device == "cuda" else None
@@ -43,8 +44,9 @@ class StepRecorder:
             end.record()
             self.cuda_events.append((bool((batch.num_new == 1).all()), self._start_event, end))
 
-    def step_accounted(self, done, engine):
-        """done: the engine's InFlightStep just accounted for."""
+    def step_accounted(self, done, engine, tokens: list):
+        """done: the engine's InFlightStep just accounted for; tokens: what it sampled (a list per
+        sequence in a speculative step: its accepted drafts and the token after them)."""
         now = perf_counter()
         step_s, self._last = now - self._last, now
         step = done.step
@@ -55,12 +57,14 @@ class StepRecorder:
         self.totals[f"{kind}_time_s"] += step_s
         self.totals["sampling_forwards"] += len(step.sampling)
         if self.records is not None:
-            num_decode = sum(1 for samples, n, start in zip(step.samples, step.num_new, step.starts)
-                             if samples and n == 1 and start > 0)
+            num_decode = sum(n for samples, n, start, d in zip(step.samples, step.num_new, step.starts, drafts)
+                             if samples and n == 1 + d and start > 0)  # (a speculative decode: its drafts too)
+            emitted = sum(map(len, tokens)) if step.num_draft_tokens else len(tokens)
             stats = engine.stats()
             self.records.append({
                 "start": now - step_s, "step_s": step_s, "host_s": max(0.0, step_s - self._device_s - done.sampled.wait_s),
                 "num_seqs": len(step.seqs), "prefill_tokens": num_tokens - num_decode, "decode_tokens": num_decode,
+                "draft_tokens": step.num_draft_tokens, "emitted_tokens": emitted,
                 "used_blocks": stats["num_blocks"] - stats["num_free_blocks"], "preemptions": stats["num_preemptions"]})
         self._device_s = 0.0
 

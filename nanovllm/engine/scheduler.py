@@ -33,8 +33,9 @@ class ScheduledStep:
     filled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens) with blocks to publish
     fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (row, position, token): see correct()
     undone: set[Sequence] = field(default_factory=set)  # sequences whose token here correct() dropped
-    num_drafts: list[int] = field(default_factory=list)  # per sequence: its draft tokens (speculative steps)
-    draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, drafts)
+    num_drafts: list[int] = field(default_factory=list)  # per sequence: its draft tokens (speculative decoding)
+    num_draft_tokens: int = 0                             # their sum: > 0 in a speculative step
+    draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
@@ -43,7 +44,7 @@ class ScheduledStep:
         batch = StepBatch(np.fromiter(self.rows, np.int32, num_seqs), np.fromiter(self.starts, np.int32, num_seqs),
                           np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
                           self.fixed_tokens)
-        if self.draft_tokens:
+        if self.num_draft_tokens:
             batch.num_drafts, batch.draft_tokens = np.array(self.num_drafts, dtype=np.int32), self.draft_tokens
         return batch
 
@@ -74,8 +75,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
         spec = config.speculative
+        self.speculative = spec is not None
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # n-gram drafts are proposed here, on the host; a draft model's on the device, in the step
         self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                      spec.prompt_lookup_max) if spec is not None else None
+                                      spec.prompt_lookup_max) if spec is not None and spec.method == "ngram" else None
         self.spec_stats = SpecStats(spec.num_speculative_tokens if spec is not None else 0)
 
     def add(self, seq: Sequence):
@@ -139,10 +143,11 @@ class Scheduler:
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            drafts = self._drafts(seq) if draft and self.proposer is not None and num_tokens - start == 1 else []
-            if drafts and 1 + len(drafts) > budget:
+            num_drafts, draft_ids = (self._drafts(seq) if draft and self.speculative and num_tokens - start == 1
+                                     else (0, None))
+            if num_drafts and 1 + num_drafts > budget:
                 break  # it waits for the next step (see _drafts); the first of a step always fits
-            n = num_tokens - start + len(drafts) if num_tokens - start < budget else budget
+            n = num_tokens - start + num_drafts if num_tokens - start < budget else budget
             end = start + n
             if end > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
                 break  # it was preempted itself, the last running
@@ -152,10 +157,12 @@ class Scheduler:
             add_num_new(n)
             add_row(seq.row)
             add_start(start)
-            if self.proposer is not None:
-                step.num_drafts.append(len(drafts))
-                if drafts:
-                    step.draft_tokens.append((seq.row, num_tokens, drafts))
+            if self.speculative:
+                step.num_drafts.append(num_drafts)
+                if num_drafts:
+                    step.num_draft_tokens += num_drafts
+                    if draft_ids is not None:
+                        step.draft_tokens.append((seq.row, num_tokens, draft_ids))
                     num_tokens = end  # (as if every draft is accepted: complete() takes back the rejected ones)
             if end == num_tokens:  # it samples: that token is in flight until complete() reads it
                 seq.num_tokens = end + 1
@@ -174,23 +181,28 @@ class Scheduler:
                 step.forking.append(seq)
         return budget
 
-    def _drafts(self, seq: Sequence) -> list[int]:
-        """Draft tokens for a decoding sequence whose tokens the host knows: as many as the
-        proposer finds, at most so many that its accepted drafts and the token after them stay
-        within its token limit (max_tokens, max_model_len), and that it fits in a step's budget.
-        Never fewer for lack of budget in this step (it waits for the next one instead), so its
-        drafts, and a seeded request's tokens, do not depend on what shares its step."""
+    def _drafts(self, seq: Sequence) -> tuple[int, list[int] | None]:
+        """How many draft tokens a decoding sequence whose tokens the host knows verifies, and
+        their ids when the host proposes them (n-gram; None: the draft model draws them in the
+        step). As many as the policy allows (draft_limit) and the n-gram proposer finds, at most
+        so many that its accepted drafts and the token after them stay within its token limit
+        (max_tokens, max_model_len), and that it fits in a step's budget. Never fewer for lack of
+        budget in this step (it waits for the next one instead), so its drafts, and a seeded
+        request's tokens, do not depend on what shares its step."""
         if seq.num_tokens != len(seq.token_ids):
-            return []  # (its last token is in flight)
+            return 0, None  # (its last token is in flight)
         fixed_cost = seq.sampling_params.seed is not None
-        limit = draft_limit(self.proposer.k, seq.spec_acceptance, seq.spec_steps_since_draft, len(self.running),
-                            fixed_cost)
-        room = min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1)
-        if seq.token_buffer is None:
-            seq.token_buffer = TokenBuffer()
-        drafts = self.proposer.propose(seq.token_buffer.view(seq.token_ids), max_len=room) if room > 0 else []
-        seq.spec_steps_since_draft = 0 if drafts else seq.spec_steps_since_draft + 1
-        return drafts
+        limit = draft_limit(self.num_speculative_tokens, seq.spec_acceptance, seq.spec_steps_since_draft,
+                            len(self.running), fixed_cost)
+        room = max(0, min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1))
+        drafts = None
+        if self.proposer is not None:
+            if seq.token_buffer is None:
+                seq.token_buffer = TokenBuffer()
+            drafts = self.proposer.propose(seq.token_buffer.view(seq.token_ids), max_len=room) if room else []
+            room = len(drafts)
+        seq.spec_steps_since_draft = 0 if room else seq.spec_steps_since_draft + 1
+        return room, drafts
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while
@@ -264,7 +276,7 @@ class Scheduler:
         """Account for a launched step whose sampled tokens are in (one per sampling sequence, in
         order; `logprobs` their logprob dicts): append them, and finish the sequences that stop.
         Returns the sequences that got a token."""
-        if step.draft_tokens:
+        if step.num_draft_tokens:
             return self._complete_verified(step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         self._append(seqs, tokens, logprobs)

@@ -26,3 +26,26 @@ class Attention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale)
         return out.flatten(1)
+
+
+def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of a model with these attention layers."""
+    per_token = 2 * len(layers) * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
+    return block_size * per_token
+
+
+def bind_kv_cache(layers: list[Attention], num_blocks: int | None, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """A KV cache of num_blocks usable blocks, each layer handed its slices (None: unbind them,
+    freeing the old one). [K/V, layer, block, slot in block, kv head, head dim]. One spare block
+    at the end, never handed out: the scratch row's tokens (CUDA-graph padding) write and read
+    there, harmlessly."""
+    for layer in layers:
+        layer.k_cache = layer.v_cache = None
+    if num_blocks is None:
+        return None
+    cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, layers[0].num_kv_heads, layers[0].head_dim,
+                        dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+    return cache
