@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the lent GPU machine should run, in one go and in under 7 minutes, so that a second
+# Everything the lent GPU machine should run, in one go and in under 8 minutes, so that a second
 # try of one step still fits in a 15-minute device session:
 #   1. the gpu-marked tests, then the Triton kernel tests (compiled, on GPU tensors); the first
 #      failing (or hanging) test is run once more alone with CUDA_LAUNCH_BLOCKING=1, so that a
@@ -9,26 +9,27 @@
 #      again with the synchronous loop (--no-async-scheduling) to show what overlap buys,
 #   4. a short bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with
 #      CUDA graphs, at its serving shape, when the GPU has the memory,
-#   5. batch-1 greedy decode of a repetitive prompt, with and without n-gram speculation.
+#   5. batch-1 greedy decode of a repetitive prompt, with and without n-gram speculation, and with a
+#      draft model equal to the target (the mechanism's bound: every draft accepted).
 # A one-line summary per step (pass/fail, seconds) ends the log; the exit status is 0 only if
 # every step that ran passed.
 # Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
 # The log goes to $OUT/gpu_check.log ($OUT is the device tool's output folder; elsewhere it
 # defaults to /tmp/gpu_check).
 #
-# Time boxes (seconds), 450 in all: gpu tests 70, Triton kernel tests 85, the one-test rerun 30,
+# Time boxes (seconds), 475 in all: gpu tests 70, Triton kernel tests 85, the one-test rerun 30,
 # decode micro-benchmark 20, bench.py vs HF 80, synchronous bench.py 50, MoE bench.py 65,
-# batch-1 decode with and without speculation 25 each.
+# batch-1 decode without speculation, with n-gram and with draft-model speculation 25 each.
 # A step that reaches its box gets SIGINT (pytest then still prints its failures, durations and
 # the test it was in; python prints a traceback), and SIGKILL 15 s later if it is still running.
-# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 450, so
-# the script ends within ~7 minutes whatever happens; a smaller one makes a quick dry run); a
+# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 475, so
+# the script ends within 8 minutes whatever happens; a smaller one makes a quick dry run); a
 # step with under MIN_STEP_S left is skipped and reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-475}
 MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
 KILL_AFTER_S=15        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
 mkdir -p "$OUT"
@@ -118,6 +119,8 @@ BATCH1=(python3 bench.py --num-seqs 1 --min-input-len 512 --max-input-len 512 --
 run "bench.py batch-1 greedy decode, repetitive prompt" 25 "${BATCH1[@]}"
 run "bench.py batch-1 greedy decode, repetitive prompt, n-gram speculation (k=4)" 25 "${BATCH1[@]}" \
   --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+run "bench.py batch-1 greedy decode, draft model = target (k=4)" 25 "${BATCH1[@]}" \
+  --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
 echo "=== summary (${BUDGET_S} s budget, $((SECONDS - start_all)) s used)"
 printf '%s\n' "${summary[@]}"
 echo "=== gpu_check exit status $status"

@@ -118,28 +118,30 @@ def test_triton_decode_graph_replay_equals_eager_bitwise():
 
 @needs_triton
 def test_graph_replay_equals_eager_forward_bitwise(model_dir, prompts):
-    """Each decode step of 8 sequences (a captured size: the same GEMM shapes both ways) runs the
-    eager forward, then replays its graph: the same hidden-state bits. Needs the model runner to
-    fill Context.padded_batch and max_model_len, as the captured contexts have them."""
+    """Each decode step of 8 sequences (a captured size: the same GEMM shapes both ways) runs what
+    the graph captured eagerly, then replays the graph: the same hidden-state bits. Needs the
+    model runner to fill Context.padded_batch and max_model_len, as the captured contexts have them."""
     llm = LLM(model_dir, dtype="bfloat16", attention_backend="triton", max_model_len=512, max_num_seqs=8,
               gpu_memory_utilization=0.3)
-    runner = llm.model_runner
-    replay, batches = runner.graphs.run, []
+    graphs, batches = llm.model_runner.graphs, []
+    replay = graphs.replay
 
-    def eager_then_replay(input_ids, positions, context):   # inside ModelRunner.execute's forward context
-        eager = runner.model(input_ids, positions).clone()
-        out = replay(input_ids, positions, context)
-        batches.append(input_ids.shape[0])
-        assert torch.equal(out, eager), f"batch {batches[-1]}: max |diff| {(out.float() - eager.float()).abs().max()}"
+    def eager_then_replay(rows, positions, size, num_new=None):
+        graphs.inputs[0, :size], graphs.inputs[1, :size] = rows, positions
+        graphs.forward(size)
+        eager = graphs.output[:size].clone()
+        out = replay(rows, positions, size, num_new)
+        batches.append(size)
+        assert torch.equal(out, eager), f"batch {size}: max |diff| {(out.float() - eager.float()).abs().max()}"
         return out
-    runner.graphs.run = eager_then_replay
+    graphs.replay = eager_then_replay
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert batches == [8] * 5
 
 
 @needs_triton
 def test_graph_capture_runs_under_inference_mode(model_dir):
-    """Warm-up and capture run under inference mode, as every step does (ModelRunner.execute)."""
+    """Warm-up and capture run under inference mode, as every step does (ModelRunner.launch)."""
     from nanovllm.engine.cuda_graphs import DecodeGraphs
     llm = LLM(model_dir, dtype="bfloat16", attention_backend="triton", max_model_len=512, max_num_seqs=4,
               enforce_eager=True, gpu_memory_utilization=0.3)
@@ -149,9 +151,35 @@ def test_graph_capture_runs_under_inference_mode(model_dir):
         modes.append(torch.is_inference_mode_enabled())
         return runner.model(input_ids, positions)
     config = llm.config
-    graphs = DecodeGraphs(model, 4, config.max_blocks_per_seq, config.max_model_len, config.hf_config.hidden_size,
-                          config.dtype, runner.device)
-    assert len(modes) == 2 * len(graphs.sizes) and all(modes)
+    for query_len in (1, 4):  # decode, and speculative decode with 3 drafts
+        modes.clear()
+        graphs = DecodeGraphs(model, runner.token_table, runner.block_tables, runner.block_size, runner.scratch_row,
+                              4, config.max_model_len, config.hf_config.hidden_size, config.dtype, query_len=query_len)
+        assert len(modes) == 2 * len(graphs.sizes) and all(modes)
+
+
+@needs_triton
+def test_speculative_decode_graphs_are_used_and_exact(model_dir, prompts):
+    """With speculation the engine captures graphs of 1 + k query tokens too; a run replays them
+    and gives plain decoding's greedy tokens (float32: the verification's multi-query attention
+    and its GEMM shapes round differently from decode's, which bf16 would show as flipped ties)."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    chosen = [[11, 22, 33, 44, 55, 66, 77, 88] * 4] + prompts[:3]
+    options = dict(dtype="float32", attention_backend="triton", max_model_len=512, max_num_seqs=8,
+                   gpu_memory_utilization=0.3)
+    expected = LLM(model_dir, **options).generate(chosen, params, use_tqdm=False)
+    llm = LLM(model_dir, speculative_config={"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3},
+              **options)
+    graphs, sizes = llm.model_runner.verify_graphs, []
+    replay = graphs.replay
+
+    def counting(rows, positions, size, num_new=None):
+        sizes.append(size)
+        return replay(rows, positions, size, num_new)
+    graphs.replay = counting
+    got = llm.generate(chosen, params, use_tqdm=False)
+    assert graphs.query_len == 4 and sizes
+    assert [g["token_ids"] for g in got] == [e["token_ids"] for e in expected]
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

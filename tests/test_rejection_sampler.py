@@ -159,3 +159,29 @@ def test_without_drafts_a_row_gets_the_plain_samplers_token():
     tokens, emitted = verify(probs, argmax, torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, 0, dtype=torch.int64),
                              torch.zeros(rows, dtype=torch.int64), None, seeds, positions)
     assert (emitted == 1).all() and tokens[:, 0].tolist() == plain.tolist()
+
+
+def test_filtered_probabilities_equal_the_full_sort_bit_for_bit():
+    """target_probs' filters (layers/rejection_sampler.filtered) give apply_top_k_top_p then
+    apply_min_p exactly, over a vocabulary larger than the candidates: rows the candidates vouch
+    for (peaked logits) and rows that fall back to the full sort (flat logits, whose top-p nucleus
+    reaches past the candidates), with top-k, top-p and min-p, each alone and mixed per row."""
+    from nanovllm.layers.rejection_sampler import filtered
+    from nanovllm.layers.sampler import NUM_CANDIDATES, filter_candidates
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 5000, 24
+    scale = torch.tensor([4.0] * 16 + [0.1] * 8)[:, None]  # peaked rows, then flat ones
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * scale, -1)
+    top_ks = torch.tensor([-1, 5, 50, 2000] * 6)
+    top_ps = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 1.0] * 4)
+    min_ps = torch.tensor([0.0, 0.05, 0.0, 0.1] * 6)
+    for k, p, m in [(top_ks, top_ps, None), (None, None, min_ps), (top_ks, top_ps, min_ps)]:
+        expected = probs
+        if k is not None:
+            expected = apply_top_k_top_p(expected, k, p)
+        if m is not None:
+            expected = apply_min_p(expected, m)
+        exact = filter_candidates(probs, k, p, m)[2]
+        assert exact.any() and not exact.all(), "both paths should run"
+        assert torch.equal(filtered(probs, k, p, m), expected)
+    assert vocab > NUM_CANDIDATES

@@ -700,3 +700,57 @@ def test_a_decode_graph_computes_what_the_eager_step_does(monkeypatch, model_dir
         graphs.inputs[1, :size] = torch.tensor(batch.starts.tolist() + [0] * pad)
         graphs.forward(size)
     torch.testing.assert_close(graphs.output[:len(batch.rows)], eager)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decode_graphs_compute_what_the_eager_steps_do(monkeypatch, model_dir, reference, method):
+    """Speculative decode steps through their CUDA graphs (DecodeGraphs with query_len 1 + k: each
+    sequence's last token and drafts padded at the front to 1 + k query tokens, the padding's K/V
+    into the spare block, attention on the multi-query paged path of the Triton kernels) give
+    Hugging Face's greedy tokens, as decode steps through theirs do; drafts of any length 0..k
+    share a replay. On the CPU capture is faked (a replay runs the captured forward eagerly, in
+    the interpreter); test_gpu.py replays real graphs."""
+    import contextlib
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine.cuda_graphs import DecodeGraphs
+
+    if DEVICE == "cpu":
+        class NoGraph:
+            def pool(self):
+                return None
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", NoGraph)
+        monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    replays = []
+
+    def replay(self, rows, positions, size, num_new=None):
+        replays.append((self.query_len, size, num_new[:size].tolist() if num_new is not None else None))
+        self.inputs[0, :size], self.inputs[1, :size] = rows, positions
+        if num_new is not None:
+            self.inputs[2, :size] = num_new
+        if DEVICE == "cpu":
+            self.forward(size)
+        else:
+            self.graphs[size].replay()
+        return self.output[:size * self.query_len]
+    monkeypatch.setattr(DecodeGraphs, "replay", replay)
+    k = 3
+    config = {"method": method, "num_speculative_tokens": k}
+    if method == "draft_model":
+        config["model"] = model_dir
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="triton", kvcache_block_size=8,
+              max_model_len=128, max_num_seqs=4, num_kvcache_blocks=64, speculative_config=config,
+              enforce_eager=DEVICE == "cpu")
+    runner = llm.model_runner
+    if DEVICE == "cpu":  # (on a GPU the engine captured them)
+        runner.graphs, runner.verify_graphs = runner._capture_graphs(), runner._capture_graphs(query_len=1 + k)
+        if runner.drafter is not None:
+            runner.drafter.graphs = runner.drafter.capture_graphs()
+    chosen = [[11, 22, 33, 44, 55, 66, 77, 88] * 3, [5, 6, 7] * 4, list(range(100, 120))]
+    outputs = llm.generate(chosen, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [reference(model_dir, p, 24) for p in chosen]
+    verified = [r for r in replays if r[0] == 1 + k and r[1] >= 2]
+    assert verified, "no speculative decode step replayed a graph"
+    assert any(len(set(num_new)) > 1 for _, _, num_new in verified)  # (mixed draft lengths in one replay)
+    assert llm.stats()["spec_num_accepted_tokens"] > 0

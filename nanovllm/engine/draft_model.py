@@ -8,7 +8,8 @@ prefix cache's blocks serve both models, preemption recomputes both, and a rejec
 are written again later by both. A step, where sequence i drafts d_i tokens after its last token
 at position c_i (D = max d_i):
   forward 1:     the step's tokens except the drafts (prefill chunks, plain decodes, each drafting
-                 sequence's last token), eager; draft 1 from the logits at c_i;
+                 sequence's last token; CUDA graphs when they are all decodes): draft 1 from the
+                 logits at c_i;
   forward j + 1: draft j at c_i + j of the sequences with d_i >= j (a decode step: CUDA graphs),
   (j = 1..D)     and draft j + 1 from its logits where d_i > j. A sequence's last forward only
                  writes its last draft's K/V (the target computes that position too).
@@ -101,11 +102,11 @@ class DraftModel:
         num_drafts = batch.num_drafts
         if num_drafts is None:  # (a step without drafts: the draft model computes its tokens too)
             run(StepBatch(batch.rows, batch.starts, batch.num_new, np.zeros(batch.num_seqs, dtype=bool),
-                          batch.new_blocks, batch.new_tokens, batch.fixed_tokens), self.model, None)
+                          batch.new_blocks, batch.new_tokens, batch.fixed_tokens), self.model, self.graphs)
             return None
         mirror = StepBatch(batch.rows, batch.starts, batch.num_new - num_drafts, num_drafts > 0, batch.new_blocks,
                            batch.new_tokens, batch.fixed_tokens)
-        logits, _ = run(mirror, self.model, None)
+        logits, _ = run(mirror, self.model, self.graphs)
         # the drafting sequences, and each one's first row among the step's sampling rows
         per_sample = num_drafts[batch.samples].astype(np.int64)
         first_rows = (np.cumsum(per_sample + 1) - (per_sample + 1))[per_sample > 0]

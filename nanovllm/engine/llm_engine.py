@@ -83,8 +83,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
-        # Speculative steps do not overlap: the next step's drafts are proposed from this step's
-        # accepted tokens, on the host, so it cannot be planned before they are in.
+        # Speculative steps do not overlap: the next step's layout (each sequence's positions, its
+        # slots, the blocks it grows into, how many drafts it verifies) depends on how many drafts
+        # this step accepts, and n-gram drafts on their ids too, so it cannot be planned before they
+        # are in. (A draft model's drafts are drawn on the device, but their positions are not.)
         self.overlap = config.async_scheduling and config.speculative is None
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
         self._log_summary()

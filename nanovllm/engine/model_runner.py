@@ -155,6 +155,7 @@ class StepLayout:
     decode_only: bool             # every sequence computes one token
     all_sample: bool              # ... and samples it
     graph_size: int               # the CUDA graph it replays at (rows, positions padded to it); 0: eager
+    graphs: "DecodeGraphs | None" = None  # the graphs it replays (decode, or speculative decode)
 
 
 @dataclass
@@ -165,6 +166,8 @@ class StepInputs:
     context: Context
     input_ids: torch.Tensor | None  # [T] eager steps (a graph replay gathers its own)
     graph_size: int           # the captured batch size it replays at; 0: eager
+    graphs: "DecodeGraphs | None" = None  # ... of these graphs; a replay takes rows, positions (of
+    num_new: torch.Tensor | None = None   # each one's last new token, padded) and num_new (speculative)
 
 
 class ModelRunner:
@@ -232,15 +235,18 @@ class ModelRunner:
         self.drafter = DraftModel(config, self) if config.draft_hf_config is not None and self.rank == 0 else None
         self.num_kv_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_graphs() if self.use_graphs else None
+        # speculative decode steps (a last token and up to k drafts per sequence) have their own
+        self.verify_graphs = (self._capture_graphs(query_len=1 + config.speculative.num_speculative_tokens)
+                              if self.use_graphs and config.speculative is not None else None)
         if self.drafter is not None and self.use_graphs:
             self.drafter.graphs = self.drafter.capture_graphs(show_progress=True)
 
-    def _capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
+    def _capture_graphs(self, largest_only: bool = False, query_len: int = 1) -> DecodeGraphs:
         max_batch = self.graph_sizes[-1]
         return DecodeGraphs(self.model, self.token_table, self.block_tables, self.block_size, self.scratch_row,
                             max_batch, self.config.max_model_len, self.config.hf_config.hidden_size,
                             self.config.dtype, sizes=[max_batch] if largest_only else None,
-                            show_progress=self.rank == 0 and not largest_only)
+                            show_progress=self.rank == 0 and not largest_only, query_len=query_len)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -269,17 +275,21 @@ class ModelRunner:
 
     def _graph_memory(self) -> int:
         """Device memory the decode CUDA graphs will hold, measured before the KV cache takes the
-        rest: the largest batch of the ladder is captured once (the draft model's too) over a
-        throwaway cache of one sequence's blocks, and the drop in free memory (its pool, static buffers and the graph
-        itself) is what capture takes. The ladder's smaller graphs share that pool; their own
-        executables are what GRAPH_MEMORY_MARGIN allows for."""
+        rest: the largest batch of the ladder is captured once (and of the speculative decode
+        graphs and the draft model's) over a throwaway cache of one sequence's blocks, and the drop
+        in free memory (pools, static buffers and the graphs themselves) is what capture takes.
+        The ladder's smaller graphs share those pools; their own executables are what
+        GRAPH_MEMORY_MARGIN allows for."""
         torch.cuda.empty_cache()
         self._bind_kv_cache(self.config.max_blocks_per_seq)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        graphs = self._capture_graphs(largest_only=True)
-        draft_graphs = self.drafter.capture_graphs(largest_only=True) if self.drafter is not None else None
+        graphs = [self._capture_graphs(largest_only=True)]
+        if self.config.speculative is not None:
+            graphs.append(self._capture_graphs(True, 1 + self.config.speculative.num_speculative_tokens))
+        if self.drafter is not None:
+            graphs.append(self.drafter.capture_graphs(largest_only=True))
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        del graphs, draft_graphs
+        del graphs
         self._bind_kv_cache(None)
         torch.cuda.empty_cache()
         return int(used * GRAPH_MEMORY_MARGIN)
@@ -358,7 +368,7 @@ class ModelRunner:
                 batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
                 if batch.num_drafts is not None and self.group is not None:
                     self._share_drafts(batch)
-            logits, inputs = self._run(batch, self.model, self.graphs)
+            logits, inputs = self._run(batch, self.model, self.graphs, self.verify_graphs)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
@@ -380,7 +390,7 @@ class ModelRunner:
             self.prepare(replace(batch, rows=batch.rows[:0]), None)  # (this step's table writes first)
             batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
             self._share_drafts(batch)
-        _, inputs = self._run(batch, self.model, self.graphs)
+        _, inputs = self._run(batch, self.model, self.graphs, self.verify_graphs)
         if not batch.samples.any():
             return
         num_sampled = int(batch.samples.sum())
@@ -390,13 +400,14 @@ class ModelRunner:
         else:  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
             self._keep_sampled(torch.empty(num_sampled, dtype=torch.int64, device=self.device), inputs)
 
-    def _run(self, batch: StepBatch, model, graphs: DecodeGraphs | None) -> tuple[torch.Tensor | None, StepInputs]:
+    def _run(self, batch: StepBatch, model, graphs: DecodeGraphs | None,
+             verify_graphs: DecodeGraphs | None = None) -> tuple[torch.Tensor | None, StepInputs]:
         """The forward of a step through model (the target, or the draft model with its graphs),
         and its logits on rank 0 when a sequence samples (else None)."""
-        inputs = self.prepare(batch, graphs)
+        inputs = self.prepare(batch, graphs, verify_graphs)
         with forward_context(inputs.context):
-            if inputs.graph_size:
-                hidden = graphs.replay(inputs.rows, inputs.positions, inputs.graph_size)[:batch.num_seqs]
+            if inputs.graph_size:  # (the logits' rows index the replay's padded rows)
+                hidden = inputs.graphs.replay(inputs.rows, inputs.positions, inputs.graph_size, inputs.num_new)
             else:
                 hidden = model(inputs.input_ids, inputs.positions)
             logits = model.compute_logits(hidden) if batch.samples.any() else None
@@ -477,12 +488,14 @@ class ModelRunner:
             self.group.broadcast(where)
         self.token_table[rows, where[1]] = where[0].to(torch.int32)
 
-    def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None) -> StepInputs | None:
+    def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None,
+                verify_graphs: DecodeGraphs | None = None) -> StepInputs | None:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
         attention metadata; write the step's block-table entries and new rows' tokens on the way.
-        Everything goes to the device in one copy. graphs: the CUDA graphs it may replay (those of
-        the model it runs through). A batch of no sequences only writes the tables (None)."""
-        layout = self._layout(batch, graphs) if batch.num_seqs else None
+        Everything goes to the device in one copy. graphs, verify_graphs: the CUDA graphs it may
+        replay (those of the model it runs through), for decode and speculative decode steps. A
+        batch of no sequences only writes the tables (None)."""
+        layout = self._layout(batch, graphs, verify_graphs) if batch.num_seqs else None
         d = self.upload({**(layout.parts if layout else {}), **self._table_writes(batch)})
         if "block_ids" in d:
             self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
@@ -495,9 +508,11 @@ class ModelRunner:
         if not layout.graph_size:  # (a graph gathers its own)
             input_ids, context.slot_mapping = gather_inputs(self.token_table, self.block_tables, d["rows"],
                                                             d["positions"], self.block_size)
-        return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size)
+        return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size, layout.graphs,
+                          d.get("num_new"))
 
-    def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None) -> "StepLayout":
+    def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None, verify_graphs: DecodeGraphs | None
+                ) -> "StepLayout":
         """The host's part of prepare(): the row and position of every new token, and the
         per-sequence arrays attention needs."""
         num_seqs = batch.num_seqs
@@ -512,15 +527,24 @@ class ModelRunner:
             seq_of_token = np.repeat(self.arange[:num_seqs], num_new)                # [T]
             rows = batch.rows[seq_of_token]
             positions = starts[seq_of_token] + (np.arange(num_tokens) - cu_q[:-1][seq_of_token])
-        graph_size = 0
+        graph_size, replayed = 0, None
         if decode_only and graphs is not None and num_seqs <= graphs.max_batch:
-            graph_size = padded_batch_size(num_seqs, graphs.sizes)  # padding rows read the scratch row
+            graph_size, replayed = padded_batch_size(num_seqs, graphs.sizes), graphs  # padding: the scratch row
             rows = np.concatenate([rows, np.full(graph_size - num_seqs, self.scratch_row)])
             positions = np.concatenate([positions, np.zeros(graph_size - num_seqs, dtype=np.int64)])
         lens_k = starts + num_new                                                    # [B]
         parts = {"rows": rows, "positions": positions, "cu_q": cu_q, "lens_k": lens_k}
+        if (verify_graphs is not None and batch.num_drafts is not None and num_seqs <= verify_graphs.max_batch
+                and batch.samples.all() and (num_new == batch.num_drafts + 1).all()):  # speculative decodes only
+            graph_size, replayed = padded_batch_size(num_seqs, verify_graphs.sizes), verify_graphs
+            pad, q = graph_size - num_seqs, verify_graphs.query_len
+            parts["rows"] = np.concatenate([batch.rows, np.full(pad, self.scratch_row)])
+            parts["positions"] = np.concatenate([lens_k - 1, np.full(pad, q - 1)])    # each one's last token
+            parts["num_new"] = np.concatenate([num_new, np.zeros(pad, dtype=np.int64)])
+            # its tokens are the last num_new of its q rows (padded at the front), all sampling
+            parts["logits_indices"] = expand_runs(self.arange[:num_seqs] * q + q - num_new, num_new)
         all_sample = decode_only and batch.samples.all()  # (then the logits rows are 0..B-1)
-        if not all_sample:
+        if not all_sample and "logits_indices" not in parts:
             last = (cu_q[1:] - 1)[batch.samples]
             if batch.num_drafts is not None:  # a sequence with d drafts: logits at its last d + 1 tokens
                 counts = batch.num_drafts[batch.samples].astype(np.int64) + 1
@@ -530,7 +554,7 @@ class ModelRunner:
         if not decode_only:
             parts["step_rows"] = batch.rows
             parts["cu_k"] = np.concatenate([[0], np.cumsum(lens_k)])
-        return StepLayout(parts, cu_q, lens_k, decode_only, all_sample, graph_size)
+        return StepLayout(parts, cu_q, lens_k, decode_only, all_sample, graph_size, replayed)
 
     @staticmethod
     def _table_writes(batch: StepBatch) -> dict[str, np.ndarray]:

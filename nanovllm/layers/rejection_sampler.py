@@ -25,8 +25,8 @@ uniform would be correlated with it, and the output would no longer follow p.
 """
 import torch
 
-from nanovllm.layers.sampler import (SamplingBatch, apply_min_p, apply_top_k_top_p, greedy, processed_logits,
-                                     sample_from, uniform_per_row)
+from nanovllm.layers.sampler import (NUM_CANDIDATES, SamplingBatch, apply_min_p, apply_top_k_top_p,
+                                     filter_candidates, greedy, processed_logits, sample_from, uniform_per_row)
 
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # < 2**63: a salted seed stays a valid seed
 DRAFT_SALT = 0x6A09E667F3BCC908  # for a draft model's sampling (it must not reuse the streams above)
@@ -36,19 +36,41 @@ def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tens
     """The target's distribution at each row, processed as plain sampling processes it: (probs
     [R, V], or None when every row is greedy; argmax [R] of the processed logits). probs are the
     filtered softmax that full_way draws from, not renormalized (verify normalizes where it needs
-    to). batch holds one entry per row. The filters are the full-sort reference ones: their kept
-    set is exactly the plain sampler's, which draw_filtered only finds faster."""
+    to). batch holds one entry per row. The filters give the full-sort reference's result
+    (filtered()), whose kept set is exactly the plain sampler's."""
     logits = processed_logits(logits.float(), batch)
     argmax = greedy(logits)
     if batch.all_greedy:
         return None, argmax
     temperatures = torch.where(batch.temperatures > 0, batch.temperatures, 1.0)  # (greedy rows: unused)
     probs = torch.softmax(logits / temperatures[:, None], -1)
-    if batch.top_ks is not None:
-        probs = apply_top_k_top_p(probs, batch.top_ks, batch.top_ps)
-    if batch.min_ps is not None:
-        probs = apply_min_p(probs, batch.min_ps)
+    if batch.top_ks is not None or batch.min_ps is not None:
+        probs = filtered(probs, batch.top_ks, batch.top_ps, batch.min_ps)
     return probs, argmax
+
+
+def filtered(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
+             min_ps: torch.Tensor | None) -> torch.Tensor:
+    """apply_top_k_top_p then apply_min_p, bit for bit, without sorting the vocabulary of rows
+    that filter_candidates vouches for (nearly all): their kept candidates scattered into zeros.
+    The others (rare) are sorted in full, after a host sync to learn which (a speculative step
+    waits for its tokens right after anyway). 64 rows x 151,936 on CPU, top-k 50 and top-p 0.9:
+    441 ms with the full sort, 51 ms so (scripts: see the closing note of issue 20)."""
+    def full(rows: torch.Tensor) -> torch.Tensor:
+        out = probs[rows]
+        if top_ks is not None:
+            out = apply_top_k_top_p(out, top_ks[rows], top_ps[rows])
+        if min_ps is not None:
+            out = apply_min_p(out, min_ps[rows])
+        return out
+    if probs.shape[-1] <= NUM_CANDIDATES:
+        return full(torch.arange(len(probs), device=probs.device))
+    ids, kept, exact = filter_candidates(probs, top_ks, top_ps, min_ps)
+    out = torch.zeros_like(probs).scatter_(-1, ids, kept)
+    inexact = (~exact).nonzero()[:, 0]
+    if len(inexact):
+        out[inexact] = full(inexact)
+    return out
 
 
 def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.Tensor, drafts: torch.Tensor,

@@ -48,13 +48,14 @@ def get_context() -> Context:
 
 @contextmanager
 def forward_context(context: Context):
-    """Make `context` visible to the attention layers for one forward; always cleared after."""
+    """Make `context` visible to the attention layers for one forward; the one before (None
+    outside a step) is restored after."""
     global _CONTEXT
-    _CONTEXT = context
+    previous, _CONTEXT = _CONTEXT, context
     try:
         yield context
     finally:
-        _CONTEXT = None
+        _CONTEXT = previous
 
 
 @contextmanager
