@@ -134,21 +134,26 @@ def test_its_kv_cache_follows_the_targets_blocks(model_dir):
 
 
 def test_stops_streaming_and_n_samples(model_dir, small_draft, prompts, expected):
-    """A stop token met inside an accepted run ends the sequence there; streamed text adds up; n
-    samples each get the plain greedy continuation."""
+    """A stop token or string met inside an accepted run ends the sequence there; streamed text
+    adds up; n samples each get the plain greedy continuation."""
     params = [SamplingParams(temperature=0, max_tokens=100, stop_token_ids=[e["token_ids"][50]], n=2)
               for e in expected]
+    params += [SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                              stop=[e["text"][len(e["text"]) // 2:][:3]]) for e in expected]
+    prompts, last = prompts + prompts, len(expected) - 1  # (the last n = 2 request is streamed too)
+    def runs(outputs):
+        return [[(s["token_ids"], s["text"], s["finish_reason"]) for s in o.get("samples", [o])] for o in outputs]
     with LLM(model_dir, max_model_len=MAX_LEN) as llm:
         plain = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o["finish_reason"] == "stop" for o in plain[len(expected):]) > len(expected) // 2  # (strings met)
     for path in (model_dir, small_draft):
         with LLM(model_dir, max_model_len=MAX_LEN, speculative_config=draft(path, 4)) as llm:
             got = llm.generate(prompts, params, use_tqdm=False)
             streamed = {}
-            for update in llm.stream(prompts[-1:], params[-1:]):
+            for update in llm.stream(prompts[last:last + 1], params[last:last + 1]):
                 streamed[update["sample"]] = streamed.get(update["sample"], "") + (update["text"] or "")
-        assert [[(s["token_ids"], s["finish_reason"]) for s in g["samples"]] for g in got] == [
-            [(s["token_ids"], s["finish_reason"]) for s in p["samples"]] for p in plain]
-        assert [streamed[j] for j in sorted(streamed)] == [s["text"] for s in plain[-1]["samples"]]
+        assert runs(got) == runs(plain)
+        assert [streamed[j] for j in sorted(streamed)] == [s["text"] for s in plain[last]["samples"]]
 
 
 def total_variation(a: Counter, b: Counter) -> float:
