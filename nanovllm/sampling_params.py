@@ -1,6 +1,58 @@
+import json
 import math
 import operator
 from dataclasses import dataclass
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the completion, with vLLM's names; exactly one of:
+    json: a JSON schema (a dict, or its JSON text): the completion is a JSON value it validates.
+    regex: the completion matches this regular expression.
+    choice: the completion is one of these strings.
+    grammar: the completion is derived from this EBNF grammar (xgrammar's GBNF dialect, rule `root`).
+    json_object: the completion is any JSON object.
+    Decoding is constrained token by token (engine/structured_outputs.py), so the text is valid
+    by construction unless max_tokens cuts it short (finish_reason "length")."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {list(STRUCTURED_KINDS)}, got "
+                             f"{given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from e
+            if not isinstance(schema, (dict, bool)):
+                raise TypeError(f"StructuredOutputsParams.json must be a JSON schema (an object), got {self.json!r}")
+            object.__setattr__(self, "json", json.dumps(schema))  # (text: hashable; key order kept: it is the output's)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise TypeError(f"StructuredOutputsParams.choice must be a non-empty list of non-empty strings, "
+                                f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"StructuredOutputsParams.json_object must be a bool, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
 
 
 @dataclass(frozen=True)
@@ -24,6 +76,8 @@ class SamplingParams:
     n: number of completions of the prompt (they share the prompt's KV blocks).
     logprobs: also return, per generated token, the log-probabilities of the chosen token and of
         the `logprobs` most likely ones, from the model's raw distribution (None: off).
+    structured_outputs: a StructuredOutputsParams the completion must satisfy (None: free text).
+        Not with min_tokens (a finished grammar allows only EOS, which min_tokens forbids).
     seed: makes this request's samples reproducible whatever else shares its batch (None: drawn
         from the engine's RNG). On CPU in float32 that holds exactly; on a GPU the logits
         themselves depend on the batch (cuBLAS picks its kernels by the number of rows, and CUDA
@@ -45,6 +99,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     seed: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         def number(name, low, high, low_open=False, high_open=False):
@@ -93,6 +148,13 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple, set)) or not all(is_token_id(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                                f"{self.structured_outputs!r}")
+            if self.min_tokens:
+                raise ValueError("SamplingParams.min_tokens cannot be combined with structured_outputs (once the "
+                                 "grammar is complete only EOS may follow)")
         # Tuples, so that the caller's list changed later cannot change a validated request.
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))

@@ -24,12 +24,14 @@ class Need(IntFlag):
     PENALTIES = 8    # presence, frequency or repetition penalty
     MIN_TOKENS = 16  # stop tokens are banned until min_tokens
     LOGPROBS = 32
+    GRAMMAR = 64     # structured outputs: a mask of the tokens its grammar allows
 
 
 def needs_of(params) -> Need:
     return ((Need.RANDOM if params.temperature > 0 else 0) | (Need.FILTERS if params.top_k > 0 or params.top_p < 1 else 0)
             | (Need.MIN_P if params.min_p > 0 else 0) | (Need.PENALTIES if params.has_penalties else 0)
-            | (Need.MIN_TOKENS if params.min_tokens else 0) | (Need.LOGPROBS if params.logprobs is not None else 0))
+            | (Need.MIN_TOKENS if params.min_tokens else 0) | (Need.LOGPROBS if params.logprobs is not None else 0)
+            | (Need.GRAMMAR if params.structured_outputs is not None else 0))
 
 
 @dataclass
@@ -47,6 +49,8 @@ class SamplingInputs:
     penalties: dict[str, np.ndarray] | None = None  # presence, frequency, repetition [S] float32; num_prompt_tokens [S] int64
     banned: tuple[list[int], list[int]] | None = None  # (sampling row index, token id): stop tokens before min_tokens
     num_logprobs: list[int | None] | None = None  # per row: its SamplingParams.logprobs
+    matchers: list[tuple[int, object]] | None = None  # (row index, grammar matcher): constrained rows
+    bitmask: tuple[np.ndarray, object] | None = None  # their masks (the engine fills them from matchers)
 
     def select(self, indices: np.ndarray) -> "SamplingInputs":
         """The inputs of these rows alone (a draft model draws with them), logprobs left out."""
@@ -80,6 +84,7 @@ class BatchState:
         self.frequency_penalty = np.zeros(num_rows, dtype=np.float32)
         self.repetition_penalty = np.zeros(num_rows, dtype=np.float32)
         self.num_prompt_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.num_constrained = 0  # rows held by sequences with a grammar (structured outputs)
 
     def take_row(self, seq: Sequence):
         """seq is admitted: give it a free row and write its sampling parameters there."""
@@ -95,6 +100,7 @@ class BatchState:
         self.frequency_penalty[row] = p.frequency_penalty
         self.repetition_penalty[row] = p.repetition_penalty
         self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        self.num_constrained += seq.matcher is not None
         seq.row = row
 
     def free_row(self, seq: Sequence):
@@ -102,6 +108,7 @@ class BatchState:
         (A step still in flight may use the row on the device; the next holder's writes come after
         it there, in stream order.)"""
         self.free_rows.append(seq.row)
+        self.num_constrained -= seq.matcher is not None
         seq.row = -1
 
     def sampling_inputs(self, rows: np.ndarray, positions: np.ndarray, seqs: list[Sequence]) -> SamplingInputs:
@@ -125,4 +132,6 @@ class BatchState:
             inputs.banned = ([i for i, _ in pairs], [t for _, t in pairs]) if pairs else None
         if needs & Need.LOGPROBS:
             inputs.num_logprobs = [seq.sampling_params.logprobs for seq in seqs]
+        if needs & Need.GRAMMAR:
+            inputs.matchers = [(i, seq.matcher) for i, seq in enumerate(seqs) if seq.matcher is not None]
         return inputs

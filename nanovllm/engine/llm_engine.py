@@ -3,6 +3,7 @@ import logging
 import operator
 import os
 import random
+import threading
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -14,6 +15,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.structured_outputs import Grammars
 from nanovllm.engine.workers import Workers
 from nanovllm.sampling_params import SamplingParams, is_integer
 from nanovllm.utils.logging import configure_logging, format_bytes
@@ -89,6 +91,8 @@ class LLMEngine:
         # are in. (A draft model's drafts are drawn on the device, but their positions are not.)
         self.overlap = config.async_scheduling and config.speculative is None
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
+        self.grammars: Grammars | None = None  # structured outputs' compiler, made at the first constraint
+        self._grammars_lock = threading.Lock()
         self._log_summary()
 
     def _log_summary(self):
@@ -184,15 +188,33 @@ class LLMEngine:
         as forks until its prompt is computed); nothing is queued here."""
         ids = self.encode_prompt(prompt)
         self.check_request(len(ids), sampling_params)
+        grammar = self.compile_grammar(sampling_params)
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
         # each sample gets its own noise stream: seeds spaced by an odd 64-bit constant
         samples = [Sequence(ids, sampling_params, (seed + j * SAMPLE_SEED_STRIDE) % 2**63, index, j)
                    for j in range(sampling_params.n)]
+        if grammar is not None:  # each sample follows the grammar on its own
+            for seq in samples:
+                seq.matcher = self.grammars.matcher(grammar)
         if self.tokenizer is not None and (stream or sampling_params.stop_strings):
             for seq in samples:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
         samples[0].forks = samples[1:]
         return samples
+
+    def compile_grammar(self, sampling_params: SamplingParams):
+        """The compiled grammar of the request's structured_outputs (None without): a ValueError
+        for one that does not compile, or not in time. Any thread may call it (a server compiles
+        in its worker threads, and the engine's own call is then a cache hit)."""
+        constraint = sampling_params.structured_outputs
+        if constraint is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"structured_outputs need a tokenizer, and {self.config.model!r} has none")
+        with self._grammars_lock:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
+        return self.grammars.compile(constraint)
 
     def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
         """Normalize generate()/stream() arguments and validate every request; nothing is queued."""
@@ -260,7 +282,10 @@ class LLMEngine:
         if step is None:
             return None
         batch = step.batch()
-        sampled = self.model_runner.launch(batch, self.scheduler.sampling_inputs(step, batch))
+        sampling = self.scheduler.sampling_inputs(step, batch)
+        if sampling.matchers:  # structured outputs: the tokens each constrained row's grammar allows
+            sampling.bitmask = self.grammars.fill_bitmask(sampling.matchers)
+        sampled = self.model_runner.launch(batch, sampling)
         return InFlightStep(step, sampled)
 
     def _deliver(self, updated: list[Sequence]):

@@ -630,6 +630,9 @@ class ModelRunner:
             batch.banned = (banned[0], banned[1])
         if needs & Need.LOGPROBS:
             batch.num_logprobs = max(k for k in inputs.num_logprobs if k is not None)
+        if inputs.bitmask is not None:
+            rows, bitmask = inputs.bitmask
+            batch.bitmask = (to_device(rows, self.device), bitmask)
         return batch
 
     def _stacked(self, arrays: dict[str, np.ndarray], dtype) -> dict[str, torch.Tensor]:

@@ -1,3 +1,4 @@
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -14,6 +15,17 @@ from nanovllm.engine.spec_decode import ACCEPTANCE_MEMORY, SpecStats, draft_limi
 from nanovllm.engine.step_batch import StepBatch, expand_runs
 
 FINISHED = SequenceStatus.FINISHED
+logger = logging.getLogger(__name__)
+
+
+class _Refused:
+    """A grammar matcher's stand-in once its grammar refused a token: ends the sequence."""
+    @staticmethod
+    def is_terminated() -> bool:
+        return True
+
+
+REFUSED = _Refused()
 STATUS_OF = attrgetter("status")
 
 
@@ -137,12 +149,15 @@ class Scheduler:
             step.seqs.append, step.num_new.append, step.rows.append, step.starts.append, step.samples.append,
             step.sampling.append, step.filled.append)
         block_size = self.block_size
+        constrained = self.batch_state.num_constrained > 0
         for seq in seqs:  # (preemption pops from the end of `running`: the loop then ends sooner)
             if budget <= 0:
                 break
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
+            if constrained and seq.matcher is not None and num_tokens != len(seq.token_ids):
+                continue  # its grammar's next mask needs the token in flight (structured outputs)
             num_drafts, draft_ids = (self._drafts(seq) if draft and self.speculative and num_tokens - start == 1
                                      else (0, None))
             if num_drafts and 1 + num_drafts > budget:
@@ -189,8 +204,8 @@ class Scheduler:
         (max_tokens, max_model_len), and that it fits in a step's budget. Never fewer for lack of
         budget in this step (it waits for the next one instead), so its drafts, and a seeded
         request's tokens, do not depend on what shares its step."""
-        if seq.num_tokens != len(seq.token_ids):
-            return 0, None  # (its last token is in flight)
+        if seq.num_tokens != len(seq.token_ids) or seq.matcher is not None:
+            return 0, None  # (its last token is in flight; a grammar's masks follow one token at a time)
         fixed_cost = seq.sampling_params.seed is not None
         limit = draft_limit(self.num_speculative_tokens, seq.spec_acceptance, seq.spec_steps_since_draft,
                             len(self.running), fixed_cost)
@@ -280,6 +295,8 @@ class Scheduler:
             return self._complete_verified(step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         self._append(seqs, tokens, logprobs)
+        if self.batch_state.num_constrained:
+            self._advance_grammars(seqs, tokens)
         self._finish_stopped(seqs, tokens)
         return seqs
 
@@ -304,7 +321,10 @@ class Scheduler:
                                        + (1 - ACCEPTANCE_MEMORY) * (len(tokens) - 1) / drafts[i])
             for j, token in enumerate(tokens):
                 self._append([seq], [token], [logprobs[i][j]] if logprobs is not None else None)
-                if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit) and self._stops(seq, token):
+                if seq.matcher is not None:  # (a constrained sequence drafts nothing: one token here)
+                    self._advance_grammars([seq], [token])
+                if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
+                        or (seq.matcher is not None and seq.matcher.is_terminated())) and self._stops(seq, token):
                     stopped.append(seq)
                     break
         for seq in stopped:
@@ -354,10 +374,23 @@ class Scheduler:
                 if seq.logprobs is not None:
                     seq.logprobs.append(entry)
 
+    @staticmethod
+    def _advance_grammars(seqs: list[Sequence], tokens: list[int]):
+        """Feed each constrained sequence's new token to its grammar (its mask allowed it); one
+        whose grammar is complete and took its stop token ends (_stops). A token the grammar
+        refuses all the same (a bug: never seen) ends the sequence with finish_reason "abort",
+        logged, rather than the engine."""
+        for seq, token in zip(seqs, tokens):
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                logger.error("sequence %s: its grammar refused token %d, which its mask allowed; ending it",
+                             seq.seq_id, token)
+                seq.matcher = REFUSED
+
     def _finish_stopped(self, seqs: list[Sequence], tokens: list[int]):
         """Finish the sequences that sampled a stop token or reached their length limit."""
         stopped = [seq for seq, token in zip(seqs, tokens)
-                   if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit) and self._stops(seq, token)]
+                   if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
+                       or (seq.matcher is not None and seq.matcher.is_terminated())) and self._stops(seq, token)]
         for seq in stopped:
             if seq.status is SequenceStatus.WAITING:  # preempted while its last token was in flight
                 self.waiting.remove(seq)
@@ -372,6 +405,9 @@ class Scheduler:
         if token in seq.stop_ids and seq.num_completion_tokens >= params.min_tokens:
             seq.finish_reason = "stop"
             seq.stop_reason = token if token in params.stop_token_ids else None  # (EOS: None)
+            return True
+        if seq.matcher is not None and seq.matcher.is_terminated():  # its grammar took its stop token
+            seq.finish_reason, seq.stop_reason = "abort" if seq.matcher is REFUSED else "stop", None
             return True
         if len(seq.token_ids) >= seq.token_limit:
             seq.finish_reason = "length"

@@ -239,13 +239,17 @@ class SamplingBatch:
     penalties: tuple | None = None              # apply_penalties' arguments after the logits
     banned: tuple | None = None                 # (rows, token ids): logits set to -inf (min_tokens)
     num_logprobs: int | None = None             # top-k log-probabilities to return (max over rows)
+    bitmask: tuple | None = None                # (rows [n], bitmask [n, V / 32] int32): grammar-constrained rows
     all_greedy: bool = False                    # no row samples: skip the noise and softmax
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The float32 logits with the batch's penalties applied and its banned tokens (min_tokens)
-    at -inf: what greedy takes the argmax of, and temperature scales (the rejection sampler's
-    target distribution too)."""
+    """The float32 logits with the tokens their grammars forbid (structured outputs) at -inf,
+    the batch's penalties applied and its banned tokens (min_tokens) at -inf: what greedy takes
+    the argmax of, and temperature scales (the rejection sampler's target distribution too)."""
+    if batch.bitmask is not None:
+        from nanovllm.engine.structured_outputs import apply_bitmask  # (xgrammar: only when a row is constrained)
+        logits = apply_bitmask(logits, *batch.bitmask)
     if batch.penalties is not None:
         logits = apply_penalties(logits, *batch.penalties)
     if batch.banned is not None:

@@ -1,0 +1,107 @@
+"""Structured outputs: a request's completion constrained to a JSON schema, a regex, a choice of
+strings or an EBNF grammar (SamplingParams.structured_outputs), with xgrammar, the library vLLM
+and SGLang use (the `structured` extra).
+
+The engine compiles each request's grammar once, when it is submitted (Grammars.compile, in the
+caller's thread, or a server's worker thread: never on the engine loop), with a time limit: a
+pathological schema fails alone, with a ValueError, instead of stalling the others. xgrammar's
+compiler keeps compiled grammars in its own LRU cache, keyed by the constraint's text, so the
+same schema compiles once however many requests bring it. Every sample of the request gets its
+own matcher (Sequence.matcher), which follows the tokens it accepts. JSON is generated compact
+(xgrammar's any_whitespace off: one space after ':' and ',' at most): with free whitespace
+a model can pad forever, the failure vLLM's --disable-any-whitespace exists for.
+
+Each step, for the sampling rows with a matcher only (Need.GRAMMAR), the host fills a bitmask of
+the tokens the grammar allows next (fill_bitmask); the sampler sets the others' logits to -inf
+before anything else (processed_logits), so greedy, sampling and the penalties all see the
+constrained distribution. Rows without a constraint pay nothing. The scheduler feeds each
+sampled token to its matcher and ends the sequence once the grammar is complete and has taken
+its stop token. A constrained sequence runs only when its last token is on the host (its mask
+depends on it): under overlap scheduling it skips the step planned while its token is in flight,
+so it decodes every other step while unconstrained sequences beside it keep every step; and it
+never drafts (speculative decoding).
+"""
+import json
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+import torch
+
+from nanovllm.sampling_params import StructuredOutputsParams
+
+COMPILE_TIMEOUT_S = 10.0   # a grammar that takes longer to compile fails its request
+COMPILE_THREADS = 2        # requests' grammars compiled at once (each compile also uses xgrammar's own threads)
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured outputs need xgrammar: pip install 'nanovllm[structured]' (with the CPU build "
+                         "of torch, install it in the same command as torch==...+cpu)") from e
+    return xgrammar
+
+
+class Grammars:
+    """The engine's grammar compiler and its cache, for one tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+        xgr = import_xgrammar()
+        self.xgr, self.vocab_size = xgr, vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
+        self.timeout_s = COMPILE_TIMEOUT_S
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of a constraint (xgrammar's CompiledGrammar; cached): a ValueError
+        names a constraint that does not compile, or that took over timeout_s (its compile goes on
+        in the background: xgrammar cannot stop it, but nothing waits for it)."""
+        future = self.pool.submit(self._compile, params)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise ValueError(f"structured_outputs.{params.kind}: compiling it took over {self.timeout_s:g} s; "
+                             "simplify it") from None
+
+    def _compile(self, params: StructuredOutputsParams):
+        kind, c = params.kind, self.compiler
+        try:
+            if kind in ("json", "json_object"):
+                return c.compile_json_schema(params.json or '{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return c.compile_regex(params.regex)
+            if kind == "choice":  # one string literal per choice (JSON escapes are GBNF's)
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice) for choice in params.choice))
+            return c.compile_grammar(params.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+            raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
+                             f"{str(e).strip().splitlines()[-1]}") from e
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, matchers: list[tuple[int, object]]) -> tuple[np.ndarray, torch.Tensor]:
+        """(sampling row, matcher) pairs -> (rows [n] int64, bitmask [n, ceil(V / 32)] int32): bit t
+        of row i set where the grammar lets token t follow."""
+        bitmask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, (_, matcher) in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, i)
+        return np.array([row for row, _ in matchers], dtype=np.int64), bitmask
+
+
+DESCRIPTIONS = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",
+                "grammar": "EBNF grammar", "json_object": "JSON object"}
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] with the tokens each of these rows' grammars forbid at -inf (a copy: the raw
+    logits, which logprobs read, stay as they are)."""
+    xgr = import_xgrammar()
+    constrained = logits[rows]
+    xgr.apply_token_bitmask_inplace(constrained, bitmask.to(logits.device, non_blocking=True))
+    logits = logits.clone()
+    logits[rows] = constrained
+    return logits

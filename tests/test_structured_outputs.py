@@ -1,0 +1,225 @@
+"""Structured outputs (SamplingParams.structured_outputs, engine/structured_outputs.py): a
+random-weight model constrained by a JSON schema, a regex, a choice or a grammar emits text that
+satisfies it, for many random schemas (nested objects, bounded arrays, enums, anyOf), sampled and
+greedy, alone and mixed in one batch with unconstrained requests, whose outputs do not change;
+with chunked prefill, preemption, n > 1, overlap scheduling and speculative decoding; bad
+constraints are ValueErrors naming them, and a grammar that compiles too long fails alone."""
+import json
+import re
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 'structured' extra)")
+jsonschema = pytest.importorskip("jsonschema")
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+
+MAX_LEN = 512
+PROMPT = [5, 17, 33, 2, 9]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(model_dir, max_model_len=MAX_LEN) as llm:
+        yield llm
+
+
+def constrained(kind, value, **params) -> SamplingParams:
+    return SamplingParams(max_tokens=params.pop("max_tokens", 300), **params,
+                          structured_outputs=StructuredOutputsParams(**{kind: value}))
+
+
+# Schemas whose every instance is short (bounded strings, arrays and integers), so that a random
+# model's output ends well within max_tokens.
+leaves = st.one_of(
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 1000)),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(st.sampled_from(["red", "green", "blue", "a b", 'q"uote']), min_size=1, max_size=4, unique=True)
+      .map(lambda values: {"enum": values}),
+)
+
+
+def containers(children):
+    names = st.sampled_from(["id", "name", "tags", "x", "nested", "value"])
+    objects = st.dictionaries(names, children, min_size=1, max_size=3).flatmap(
+        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+            lambda required: {"type": "object", "properties": props, "required": required,
+                              "additionalProperties": False}))
+    arrays = st.builds(lambda items, lo, extra: {"type": "array", "items": items, "minItems": lo,
+                                                 "maxItems": lo + extra},
+                       children, st.integers(0, 2), st.integers(0, 2))
+    any_of = st.lists(children, min_size=2, max_size=3).map(lambda options: {"anyOf": options})
+    return st.one_of(objects, arrays, any_of)
+
+
+schemas = st.recursive(leaves, containers, max_leaves=6)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas, temperature=st.sampled_from([0.0, 0.8, 1.5]), seed=st.integers(0, 2**32))
+def test_output_satisfies_random_json_schemas(llm, schema, temperature, seed):
+    out = llm.generate([PROMPT], constrained("json", schema, temperature=temperature, seed=seed), use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop", (schema, out["text"])
+    jsonschema.validate(parse(out["text"]), schema)
+
+
+def parse(text: str):
+    """JSON, allowing raw control characters in strings: xgrammar (0.2.9) turns a string with
+    minLength or maxLength into the class [^"\\\r\n]{n,m}, which admits them (plain strings refuse
+    them, as JSON does)."""
+    return json.loads(text, strict=False)
+
+
+@pytest.mark.parametrize("pattern", [r"\d{3}-[a-z]{2,5}", r"(yes|no)!?", r"[A-Z][a-z]* [0-9]+\.[0-9]{2}",
+                                     r"\w{1,6}@example\.(com|org)"])
+def test_output_matches_regexes(llm, pattern):
+    outs = llm.generate([PROMPT] * 8, [constrained("regex", pattern, temperature=1.0, seed=i, max_tokens=40)
+                                       for i in range(8)], use_tqdm=False)
+    for out in outs:
+        if out["finish_reason"] == "stop":
+            assert re.fullmatch(pattern, out["text"]), out["text"]
+        else:  # (an unbounded pattern may run to max_tokens: still a prefix of a match)
+            assert out["finish_reason"] == "length"
+    assert sum(o["finish_reason"] == "stop" for o in outs) >= 4
+
+
+def test_output_is_one_of_the_choices(llm):
+    choices = ["yes", "no", "maybe so", 'say "hi"', "日本"]
+    outs = llm.generate([PROMPT] * 20, [constrained("choice", choices, temperature=1.5, seed=i) for i in range(20)],
+                        use_tqdm=False)
+    assert all(o["text"] in choices and o["finish_reason"] == "stop" for o in outs)
+    assert len({o["text"] for o in outs}) >= 2  # (sampled among them, not stuck on one)
+
+
+def test_ebnf_grammar_and_json_object(llm):
+    grammar = 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'
+    outs = llm.generate([PROMPT] * 6, [constrained("grammar", grammar, temperature=1.0, seed=i, max_tokens=60)
+                                       for i in range(3)]
+                        + [constrained("json_object", True, temperature=1.0, seed=i, max_tokens=400)
+                           for i in range(3)], use_tqdm=False)
+    for out in outs[:3]:
+        assert out["finish_reason"] != "stop" or re.fullmatch(r"\((\d|[1-9]\d)(,(\d|[1-9]\d))*\)", out["text"])
+    for out in outs[3:]:
+        if out["finish_reason"] == "stop":
+            assert isinstance(parse(out["text"]), dict)
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "minItems": 1, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 32}, {"num_kvcache_blocks": 40, "max_num_seqs": 12},
+                                     {"async_scheduling": False},
+                                     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}],
+                         ids=["plain", "chunked-prefill", "preemption", "synchronous", "speculative"])
+def test_mixed_batches_keep_the_unconstrained_outputs(model_dir, options):
+    """Constrained and unconstrained requests in one batch (n = 2 for some): every constrained
+    output validates, and every unconstrained one equals its output in a run without the
+    constrained ones (greedy), whatever the engine's options."""
+    free = [[i + 1, 2 * i + 3, 7] * (i + 1) for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    with LLM(model_dir, max_model_len=MAX_LEN, **options) as llm:
+        alone = llm.generate(free, greedy, use_tqdm=False)
+        prompts = [p for pair in zip(free, [PROMPT] * 6) for p in pair]
+        params = [p for i in range(6) for p in (greedy, constrained("json", SCHEMA, temperature=0.9, seed=i,
+                                                                    n=2 if i % 2 else 1))]
+        mixed = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+    assert [m["token_ids"] for m in mixed[0::2]] == [a["token_ids"] for a in alone]
+    for out in mixed[1::2]:
+        for sample in out.get("samples", [out]):
+            assert sample["finish_reason"] == "stop"
+            jsonschema.validate(parse(sample["text"]), SCHEMA)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    if "num_kvcache_blocks" in options:
+        assert stats["num_preemptions"] > 0
+
+
+def test_greedy_constrained_output_is_the_same_with_and_without_overlap(model_dir):
+    """Overlap scheduling plans a step while the last one's tokens are in flight; a constrained
+    sequence skips such steps (its mask needs its token), so its output is the synchronous one."""
+    params = [constrained("json", SCHEMA, temperature=0), constrained("regex", r"[a-z]{3,9}\.", temperature=0)]
+    runs = []
+    for overlap in (True, False):
+        with LLM(model_dir, max_model_len=MAX_LEN, async_scheduling=overlap) as llm:
+            runs.append([o["token_ids"] for o in llm.generate([PROMPT, [9, 8, 7]], params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def test_seeded_constrained_sampling_is_reproducible_whatever_the_batch(llm):
+    params = constrained("json", SCHEMA, temperature=1.0, seed=42)
+    alone = llm.generate([PROMPT], params, use_tqdm=False)[0]["text"]
+    others = [constrained("regex", r"[a-z]+", temperature=1.0, max_tokens=20), SamplingParams(max_tokens=20)]
+    batched = llm.generate([PROMPT, [3, 4], [5, 6]], [params] + others, use_tqdm=False)[0]["text"]
+    assert alone == batched
+
+
+@pytest.mark.parametrize("constraint, error, words", [
+    ({"json": {"type": "nonsense"}}, ValueError, "structured_outputs.json is not a valid JSON schema"),
+    ({"regex": "(unclosed"}, ValueError, "structured_outputs.regex is not a valid regular expression"),
+    ({"grammar": "root ::= undefined_rule"}, ValueError, "structured_outputs.grammar is not a valid EBNF grammar"),
+])
+def test_constraints_that_do_not_compile_are_value_errors(llm, constraint, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        llm.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)),
+                     use_tqdm=False)
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)[0]["token_ids"]  # (still serving)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({}, ValueError, "exactly one"),
+    ({"regex": "a", "choice": ["b"]}, ValueError, "exactly one"),
+    ({"json": "{not json"}, ValueError, "not valid JSON"),
+    ({"json": [1]}, TypeError, "JSON schema"),
+    ({"choice": []}, TypeError, "non-empty list"),
+    ({"choice": ["a", ""]}, TypeError, "non-empty list"),
+    ({"regex": 5}, TypeError, "non-empty string"),
+])
+def test_bad_structured_outputs_params(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_min_tokens_and_structured_outputs_are_refused_together():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(TypeError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a+"})
+
+
+def test_a_grammar_that_compiles_too_long_fails_alone(llm, monkeypatch):
+    """Compiling runs in the grammar threads with a time limit: past it the request is a ValueError
+    and the engine serves the next request at once (the compile goes on in the background)."""
+    grammars = llm.grammars or (llm.compile_grammar(constrained("regex", "x")) and llm.grammars)
+    compile_ = grammars._compile
+    monkeypatch.setattr(grammars, "timeout_s", 0.2)
+    monkeypatch.setattr(grammars, "_compile", lambda params: (time.sleep(1.0), compile_(params))[1])
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="took over 0.2 s"):
+        llm.generate([PROMPT], constrained("regex", "slow+"), use_tqdm=False)
+    assert time.perf_counter() - start < 0.9
+    monkeypatch.undo()
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)[0]["token_ids"]
+
+
+def test_the_same_schema_compiles_once(llm):
+    """xgrammar's compiler caches each compiled grammar by its constraint: a schema seen before
+    (an equal dict, a new object) adds nothing to the cache."""
+    llm.compile_grammar(constrained("regex", "y"))  # (the compiler exists from here on)
+    cache = llm.grammars.compiler
+    schema = {"type": "object", "properties": {"only": {"type": "boolean"}}, "required": ["only"]}
+    before = cache.get_cache_size_bytes()
+    llm.compile_grammar(constrained("json", schema))
+    after_first = cache.get_cache_size_bytes()
+    for _ in range(5):
+        llm.compile_grammar(constrained("json", json.loads(json.dumps(schema))))
+    assert after_first > before and cache.get_cache_size_bytes() == after_first
