@@ -271,6 +271,8 @@ class LLMEngine:
             self.scheduler.correct(done.step, done.sampled.corrected, tokens,
                                    self.in_flight.step if self.in_flight is not None else None)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
+        if self.overlap and launched is None:  # nothing could run beside `done` (constrained rows
+            self.in_flight = self._launch()    # wait for their tokens): the next step starts now
         self._deliver(updated)
         if self.recorder is not None:
             self.recorder.step_accounted(done, self, tokens)
