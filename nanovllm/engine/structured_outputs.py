@@ -5,8 +5,8 @@ and SGLang use (the `structured` extra).
 The engine compiles each request's grammar once, when it is submitted (Grammars.compile, in the
 caller's thread, or a server's worker thread: never on the engine loop), with a time limit: a
 pathological schema fails alone, with a ValueError, instead of stalling the others. xgrammar's
-compiler keeps compiled grammars in its own LRU cache, keyed by the constraint's text, so the
-same schema compiles once however many requests bring it. Every sample of the request gets its
+compiled grammars stay in an LRU cache keyed by the constraint, so the same schema compiles once
+however many requests bring it. Every sample of the request gets its
 own matcher (Sequence.matcher), which follows the tokens it accepts. JSON is generated compact
 (xgrammar's any_whitespace off: one space after ':' and ',' at most): with free whitespace
 a model can pad forever, the failure vLLM's --disable-any-whitespace exists for.
@@ -22,6 +22,8 @@ so it decodes every other step while unconstrained sequences beside it keep ever
 never drafts (speculative decoding).
 """
 import json
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -32,6 +34,18 @@ from nanovllm.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0   # a grammar that takes longer to compile fails its request
 COMPILE_THREADS = 2        # requests' grammars compiled at once (each compile also uses xgrammar's own threads)
+CACHE_SIZE = 256           # compiled grammars kept, least recently used first out
+# xgrammar (0.2.9) writes JSON strings with character classes that let through what JSON text may
+# not hold: a string with minLength or maxLength as the first one below, which admits raw control
+# characters (invalid JSON: strict parsers such as pydantic's refuse it) and no escapes; every
+# string's class admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte encodings are invalid
+# UTF-8 (they decode to U+FFFD). JSON grammars are patched (JSON_PATCHES: old -> new text).
+JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+JSON_PATCHES = (
+    (r'(([^\"\\\r\n]))', '((' + JSON_CHARACTER + r') | ("\\" (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] '
+                                                  r'[A-Fa-f0-9] [A-Fa-f0-9]))))'),
+    (r'[^\0-\x1f\"\\\r\n]', JSON_CHARACTER),
+)
 
 
 def import_xgrammar():
@@ -51,26 +65,42 @@ class Grammars:
         self.xgr, self.vocab_size = xgr, vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+        self.cache: OrderedDict[StructuredOutputsParams, object] = OrderedDict()  # LRU, CACHE_SIZE at most
+        self.lock = threading.Lock()  # (requests compile from several threads)
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
         self.timeout_s = COMPILE_TIMEOUT_S
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of a constraint (xgrammar's CompiledGrammar; cached): a ValueError
-        names a constraint that does not compile, or that took over timeout_s (its compile goes on
-        in the background: xgrammar cannot stop it, but nothing waits for it)."""
+        """The compiled grammar of a constraint (xgrammar's CompiledGrammar, from the LRU cache when
+        it was compiled before): a ValueError names a constraint that does not compile, or that
+        took over timeout_s (its compile goes on in the background: xgrammar cannot stop it, but
+        nothing waits for it)."""
+        with self.lock:
+            if params in self.cache:
+                self.cache.move_to_end(params)
+                return self.cache[params]
         future = self.pool.submit(self._compile, params)
         try:
-            return future.result(timeout=self.timeout_s)
+            compiled = future.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise ValueError(f"structured_outputs.{params.kind}: compiling it took over {self.timeout_s:g} s; "
                              "simplify it") from None
+        with self.lock:
+            self.cache[params] = compiled
+            while len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+        return compiled
 
     def _compile(self, params: StructuredOutputsParams):
         kind, c = params.kind, self.compiler
         try:
             if kind in ("json", "json_object"):
-                return c.compile_json_schema(params.json or '{"type": "object"}', any_whitespace=False)
+                grammar = str(self.xgr.Grammar.from_json_schema(params.json or '{"type": "object"}',
+                                                                any_whitespace=False))
+                for old, new in JSON_PATCHES:
+                    grammar = grammar.replace(old, new)
+                return c.compile_grammar(grammar)
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":  # one string literal per choice (JSON escapes are GBNF's)

@@ -265,6 +265,11 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
         raise BadRequest(str(e), body.prompt_field) from e
     except (ShuttingDown, EngineDead) as e:
         raise unavailable(e) from e
+    if params.structured_outputs is not None:  # compiled here, off the engine's thread (then a cache hit there)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, engine.llm.compile_grammar, params)
+        except ValueError as e:
+            raise BadRequest(str(e), body.structured_field) from e
     max_model_len = engine.llm.config.max_model_len
     params = [with_limit(params, len(ids), body, max_model_len) for ids in prompt_ids]
     try:

@@ -1,8 +1,9 @@
 """The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a
 body is parsed (`parse_body`: JSON, checked strictly, every mistake a BadRequest naming the
 field) and how it becomes SamplingParams. A field the server does not support (tools,
-response_format, logit_bias, ...) is a 400 naming it, never silently ignored; chat messages may
-carry any field (name, tool_calls, ...): they are passed on to the chat template.
+logit_bias, ...) is a 400 naming it, never silently ignored; chat messages may carry any field
+(name, tool_calls, ...): they are passed on to the chat template. `response_format` (OpenAI's)
+and `structured_outputs` (vLLM's) constrain the output (SamplingParams.structured_outputs).
 
 Types are strict, as the API's schema says: `"max_tokens": "5"` or a token id `false` is refused,
 not coerced (an int where a float is expected is fine).
@@ -13,7 +14,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs (and vLLM's default max_logprobs)
 MAX_N = 128        # completions per prompt, as OpenAI allows: each is a sequence the engine runs
@@ -34,6 +35,31 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # (the schema is always enforced: constrained decoding)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON valid against a schema."""
+    model_config = STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs extra: exactly one of these (StructuredOutputsParams)."""
+    model_config = STRICT
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -58,6 +84,8 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
 
     # the names of this endpoint's fields, for errors (chat overrides them)
     prompt_field: ClassVar[str] = "prompt"
@@ -83,14 +111,43 @@ class SamplingRequest(BaseModel):
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                           "frequency_penalty", "repetition_penalty")
                  if getattr(self, name) is not None}
+        constraint = self.structured_constraint()
         try:
             return SamplingParams(
                 **given, n=self.n, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens,
                 max_tokens=max_tokens if max_tokens is not None else max(1, self.min_tokens),
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs)
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
+                structured_outputs=constraint)
         except (ValueError, TypeError) as e:
             raise self.bad_request(e) from e
+
+    @property
+    def structured_field(self) -> str:
+        """The field the request's output constraint came in (for errors)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_constraint(self) -> StructuredOutputsParams | None:
+        """response_format or structured_outputs as StructuredOutputsParams (None: free text)."""
+        fmt, extra = self.response_format, self.structured_outputs
+        if fmt is not None and extra is not None and fmt.type != "text":
+            raise BadRequest("give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            if extra is not None:
+                return StructuredOutputsParams(json=extra.json_, regex=extra.regex, choice=extra.choice,
+                                               grammar=extra.grammar, json_object=bool(extra.json_object))
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise BadRequest("response_format of type json_schema needs json_schema.schema", "response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, BadRequest):
+                raise
+            raise BadRequest(f"{self.structured_field}: {str(e).replace('StructuredOutputsParams.', '')}",
+                             self.structured_field) from e
 
     def bad_request(self, error: Exception) -> BadRequest:
         """The engine's or SamplingParams' error as a BadRequest naming this endpoint's field: they
@@ -273,5 +330,6 @@ def inline_schema(model: type[BaseModel]) -> dict:
     return resolve(schema)
 
 
-FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions)
-               for name in m.model_fields}
+FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions, ResponseFormat,
+                              JsonSchemaFormat, StructuredOutputsRequest)
+               for name in m.model_fields} | {"json", "schema"}
