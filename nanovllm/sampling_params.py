@@ -76,6 +76,9 @@ class SamplingParams:
     n: number of completions of the prompt (they share the prompt's KV blocks).
     logprobs: also return, per generated token, the log-probabilities of the chosen token and of
         the `logprobs` most likely ones, from the model's raw distribution (None: off).
+    logit_bias: {token id: bias}, added to those tokens' logits before sampling (bias in [-100, 100]:
+        -100 in effect bans a token, +100 all but forces it), as OpenAI's.
+    allowed_token_ids: only these tokens may be sampled (None: all), as vLLM's.
     structured_outputs: a StructuredOutputsParams the completion must satisfy (None: free text).
         Not with min_tokens (a finished grammar allows only EOS, which min_tokens forbids).
     seed: makes this request's samples reproducible whatever else shares its batch (None: drawn
@@ -99,6 +102,8 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
@@ -148,6 +153,21 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple, set)) or not all(is_token_id(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not is_token_id(token):
+                    raise ValueError(f"SamplingParams.logit_bias has key {token!r}: keys must be token ids >= 0")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    raise ValueError(f"SamplingParams.logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+            object.__setattr__(self, "logit_bias", {operator.index(t): float(b) for t, b in self.logit_bias.items()})
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, (list, tuple)) or not allowed or not all(is_token_id(t) for t in allowed):
+                raise ValueError(f"SamplingParams.allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                                 f"{allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(operator.index(t) for t in allowed))
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise TypeError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams, got "

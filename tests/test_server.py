@@ -149,8 +149,8 @@ def test_logprobs_in_both_formats(client, llm):
     for token_id, entry, chosen, top in zip(expected["token_ids"], expected["logprobs"], lp.token_logprobs,
                                             lp.top_logprobs):
         assert chosen == pytest.approx(entry[token_id], abs=1e-5)
-        # (keyed by token text, as OpenAI's format is: tokens that decode alike share a key)
-        assert 1 <= len(top) <= 3 and {round(v, 4) for v in top.values()} <= {round(v, 4) for v in entry.values()}
+        # keyed by token text, as OpenAI's format is; a second token of the same text by its id
+        assert len(top) == 3 and {round(v, 4) for v in top.values()} <= {round(v, 4) for v in entry.values()}
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == response.choices[0].text
     streamed = [c.choices[0].logprobs for c in client.completions.create(
         model=NAME, prompt=prompt, max_tokens=5, logprobs=3, stream=True, **GREEDY) if c.choices[0].logprobs]
@@ -164,7 +164,28 @@ def test_logprobs_in_both_formats(client, llm):
     assert len(content) == 4
     for item in content:
         assert len(item.top_logprobs) == 2 and item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-5)
-        assert item.bytes == list(item.token.encode())
+    # each token's own bytes (not those of its decoded text, U+FFFD for part of a character): they add up
+    assert b"".join(bytes(item.bytes) for item in content).decode(errors="replace") == chat.choices[0].message.content
+
+
+def test_top_logprobs_of_tokens_that_decode_alike_stay_apart(llm):
+    """Two tokens holding parts of UTF-8 characters both decode to U+FFFD: the second is keyed by
+    its id (vLLM's "token_id:N") instead of replacing the first; chat's list form gives each its bytes."""
+    from nanovllm.entrypoints.api_server import ChatChoices, CompletionChoices
+    ids = [llm.tokenizer.convert_tokens_to_ids(t) for t in ("Ã", "Â")]  # (bytes 0xC3 and 0xC2 alone)
+    assert [llm.tokenizer.decode([i]) for i in ids] == ["\ufffd", "\ufffd"]
+    choices = CompletionChoices.__new__(CompletionChoices)
+    choices.tokenizer = llm.tokenizer
+    assert choices._top([(ids[0], -1.0), (ids[1], -2.0)]) == {"\ufffd": -1.0, f"token_id:{ids[1]}": -2.0}
+    chat = ChatChoices.__new__(ChatChoices)
+    chat.tokenizer = llm.tokenizer
+    assert [chat._bytes(i) for i in ids] == [[0xC3], [0xC2]]
+
+
+def test_a_model_by_id(server):
+    assert http(server, "GET", f"/v1/models/{NAME}").json()["id"] == NAME
+    error = error_of(http(server, "GET", "/v1/models/other"), 404)
+    assert error["code"] == "model_not_found"
 
 
 def test_completions_default_to_16_tokens_and_chat_to_the_context(client):

@@ -122,6 +122,12 @@ def test_the_key_is_checked_before_the_body_is_read(server):
      "messages", "messages has"),
     ("/v1/completions", b'{"prompt": [1, 2, 100000]}', "prompt", "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [100000]}', "stop_token_ids", "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"abc": 1}}', "logit_bias", "keys must be token ids"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 101}}', "logit_bias", "[-100, 100]"),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"100000": 1}}', "logit_bias", "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": "hi", "allowed_token_ids": []}', "allowed_token_ids", "non-empty"),
+    ("/v1/completions", b'{"prompt": "hi", "allowed_token_ids": [100000]}', "allowed_token_ids",
+     "outside the vocabulary"),
 ])
 def test_every_mistake_is_a_400_naming_its_field(server, path, raw, param, words):
     error = error_of(post(server, path, raw), 400)
@@ -131,9 +137,6 @@ def test_every_mistake_is_a_400_naming_its_field(server, path, raw, param, words
 
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": []}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},

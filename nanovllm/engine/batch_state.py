@@ -25,13 +25,15 @@ class Need(IntFlag):
     MIN_TOKENS = 16  # stop tokens are banned until min_tokens
     LOGPROBS = 32
     GRAMMAR = 64     # structured outputs: a mask of the tokens its grammar allows
+    BIAS = 128       # logit_bias or allowed_token_ids
 
 
 def needs_of(params) -> Need:
     return ((Need.RANDOM if params.temperature > 0 else 0) | (Need.FILTERS if params.top_k > 0 or params.top_p < 1 else 0)
             | (Need.MIN_P if params.min_p > 0 else 0) | (Need.PENALTIES if params.has_penalties else 0)
             | (Need.MIN_TOKENS if params.min_tokens else 0) | (Need.LOGPROBS if params.logprobs is not None else 0)
-            | (Need.GRAMMAR if params.structured_outputs is not None else 0))
+            | (Need.GRAMMAR if params.structured_outputs is not None else 0)
+            | (Need.BIAS if params.logit_bias or params.allowed_token_ids else 0))
 
 
 @dataclass
@@ -49,6 +51,8 @@ class SamplingInputs:
     penalties: dict[str, np.ndarray] | None = None  # presence, frequency, repetition [S] float32; num_prompt_tokens [S] int64
     banned: tuple[list[int], list[int]] | None = None  # (sampling row index, token id): stop tokens before min_tokens
     num_logprobs: list[int | None] | None = None  # per row: its SamplingParams.logprobs
+    biases: tuple[list[int], list[int], list[float]] | None = None  # (row index, token id, bias): logit_bias
+    allowed: tuple[list[int], list[int]] | None = None  # (row index, token id): allowed_token_ids
     matchers: list[tuple[int, object]] | None = None  # (row index, grammar matcher): constrained rows
     bitmask: tuple[np.ndarray, object] | None = None  # their masks (the engine fills them from matchers)
 
@@ -56,15 +60,18 @@ class SamplingInputs:
         """The inputs of these rows alone (a draft model draws with them), logprobs left out."""
         def pick(a):
             return a[indices] if a is not None else None
-        banned = None
-        if self.banned is not None:
-            new_index = {int(old): new for new, old in enumerate(indices)}
-            pairs = [(new_index[i], t) for i, t in zip(*self.banned) if i in new_index]
-            banned = ([i for i, _ in pairs], [t for _, t in pairs]) if pairs else None
+        new_index = {int(old): new for new, old in enumerate(indices)}
+
+        def remap(entries):  # (row index, ...) lists: those of the rows kept, renumbered
+            if entries is None:
+                return None
+            kept = [(new_index[i], *rest) for i, *rest in zip(*entries) if i in new_index]
+            return tuple(map(list, zip(*kept))) if kept else None
         return SamplingInputs(self.needs & ~Need.LOGPROBS, self.rows[indices], self.positions[indices],
                               pick(self.seeds), pick(self.temperatures), pick(self.top_ks), pick(self.top_ps),
                               pick(self.min_ps), {k: v[indices] for k, v in self.penalties.items()}
-                              if self.penalties is not None else None, banned)
+                              if self.penalties is not None else None, remap(self.banned),
+                              biases=remap(self.biases), allowed=remap(self.allowed))
 
 
 class BatchState:
@@ -134,4 +141,9 @@ class BatchState:
             inputs.num_logprobs = [seq.sampling_params.logprobs for seq in seqs]
         if needs & Need.GRAMMAR:
             inputs.matchers = [(i, seq.matcher) for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if needs & Need.BIAS:
+            biased = [(i, t, b) for i, seq in enumerate(seqs) for t, b in (seq.sampling_params.logit_bias or {}).items()]
+            allowed = [(i, t) for i, seq in enumerate(seqs) for t in seq.sampling_params.allowed_token_ids or ()]
+            inputs.biases = tuple(map(list, zip(*biased))) if biased else None
+            inputs.allowed = tuple(map(list, zip(*allowed))) if allowed else None
         return inputs

@@ -176,9 +176,12 @@ class LLMEngine:
         if sampling_params.logprobs is not None and sampling_params.logprobs > vocab_size:
             raise ValueError(f"SamplingParams.logprobs={sampling_params.logprobs} exceeds the model's vocabulary "
                              f"of {vocab_size} tokens")
-        bad = [t for t in sampling_params.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", sampling_params.stop_token_ids),
+                          ("logit_bias", sampling_params.logit_bias or ()),
+                          ("allowed_token_ids", sampling_params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has {bad[0]}, outside the vocabulary [0, {vocab_size})")
         if sampling_params.stop_strings and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop needs a tokenizer, and {self.config.model!r} has none; "
                              "use stop_token_ids")

@@ -633,6 +633,13 @@ class ModelRunner:
         if inputs.bitmask is not None:
             rows, bitmask = inputs.bitmask
             batch.bitmask = (to_device(rows, self.device), bitmask)
+        if inputs.biases is not None:
+            rows, ids, biases = inputs.biases
+            indices = to_device(np.array([rows, ids], dtype=np.int64), self.device)
+            batch.biases = (indices[0], indices[1], to_device(np.array(biases, dtype=np.float32), self.device))
+        if inputs.allowed is not None:
+            indices = to_device(np.array(inputs.allowed, dtype=np.int64), self.device)
+            batch.allowed = (indices[0], indices[1])
         return batch
 
     def _stacked(self, arrays: dict[str, np.ndarray], dtype) -> dict[str, torch.Tensor]:

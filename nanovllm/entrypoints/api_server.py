@@ -22,6 +22,7 @@ is the engine's own word for this; the API never reports it.)
 """
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanovllm.engine.llm_engine import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown, TooLarge, updates
+from nanovllm.engine.structured_outputs import import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
 from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                            SamplingRequest, inline_schema, parse_body)
@@ -203,12 +205,35 @@ async def prometheus_metrics(http: Request):
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@functools.lru_cache(maxsize=4)
+def vocabulary_bytes(tokenizer) -> list[bytes]:
+    """Each token id's own bytes, as xgrammar reads them from a tokenizer's vocabulary (byte-level
+    BPE, sentencepiece with byte fallback, ...); built once per tokenizer."""
+    return import_xgrammar().TokenizerInfo.from_huggingface(tokenizer).decoded_vocab
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    table = vocabulary_bytes(tokenizer)
+    return bytes(table[token_id]) if token_id < len(table) else b""
+
+
+def model_card(state) -> dict:
+    return {"id": state.served_model_name, "object": "model", "created": CREATED, "owned_by": "nanovllm",
+            "max_model_len": state.engine.llm.config.max_model_len}
+
+
 @v1.get("/models", responses={401: ERRORS[401]})
 async def models(http: Request):
+    return {"object": "list", "data": [model_card(http.app.state)]}
+
+
+@v1.get("/models/{model_id:path}", responses={401: ERRORS[401], 404: ERRORS[404]})
+async def model(model_id: str, http: Request):
     state = http.app.state
-    model = {"id": state.served_model_name, "object": "model", "created": CREATED, "owned_by": "nanovllm",
-             "max_model_len": state.engine.llm.config.max_model_len}
-    return {"object": "list", "data": [model]}
+    if model_id != state.served_model_name:
+        raise APIError(404, f"the model `{model_id}` does not exist; this server serves `{state.served_model_name}`",
+                       "not_found_error", "model", "model_not_found")
+    return model_card(state)
 
 
 def body_of(model: type[SamplingRequest]) -> dict:
@@ -408,6 +433,10 @@ class Choices:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
+    def _bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (a token holding part of a UTF-8 character decodes to U+FFFD)."""
+        return list(token_bytes(self.tokenizer, token_id)) if self.tokenizer is not None else []
+
     def _ranked(self, token_ids: list[int], entries: list[dict], k: int) -> list[tuple[str, float, list]]:
         """(token text, its logprob, the k most likely (token id, logprob)) of each token."""
         return [(self._token(token_id), entry[token_id], sorted(entry.items(), key=lambda item: -item[1])[:k])
@@ -502,7 +531,16 @@ class CompletionChoices(Choices):
             offsets.append(text_offset)
             text_offset += len(token)
         return {"tokens": [token for token, _, _ in ranked], "token_logprobs": [lp for _, lp, _ in ranked],
-                "text_offset": offsets, "top_logprobs": [{self._token(i): v for i, v in top} for _, _, top in ranked]}
+                "text_offset": offsets, "top_logprobs": [self._top(top) for _, _, top in ranked]}
+
+    def _top(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """{token text: logprob} of the most likely tokens; a token whose text another one holds
+        already is keyed by its id instead ("token_id:N", vLLM's form), so none merge."""
+        entries = {}
+        for token_id, logprob in top:
+            text = self._token(token_id)
+            entries[text if text not in entries else f"token_id:{token_id}"] = logprob
+        return entries
 
     def content(self, text: str) -> dict:
         return {"text": text}
@@ -521,10 +559,10 @@ class ChatChoices(Choices):
         if entries is None:
             return None
         return {"content": [
-            {"token": token, "logprob": lp, "bytes": list(token.encode()),
-             "top_logprobs": [{"token": (s := self._token(i)), "logprob": v, "bytes": list(s.encode())}
-                              for i, v in top]}
-            for token, lp, top in self._ranked(token_ids, entries, self.body.top_logprobs or 0)]}
+            {"token": token, "logprob": lp, "bytes": self._bytes(token_id),
+             "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": self._bytes(i)} for i, v in top]}
+            for token_id, (token, lp, top) in zip(token_ids, self._ranked(token_ids, entries,
+                                                                          self.body.top_logprobs or 0))]}
 
     def content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}

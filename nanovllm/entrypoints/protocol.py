@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a
 body is parsed (`parse_body`: JSON, checked strictly, every mistake a BadRequest naming the
 field) and how it becomes SamplingParams. A field the server does not support (tools,
-logit_bias, ...) is a 400 naming it, never silently ignored; chat messages may carry any field
+suffix, best_of, ...) is a 400 naming it, never silently ignored; chat messages may carry any field
 (name, tool_calls, ...): they are passed on to the chat template. `response_format` (OpenAI's)
 and `structured_outputs` (vLLM's) constrain the output (SamplingParams.structured_outputs).
 
@@ -86,6 +86,8 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON object keys) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's
 
     # the names of this endpoint's fields, for errors (chat overrides them)
     prompt_field: ClassVar[str] = "prompt"
@@ -112,13 +114,20 @@ class SamplingRequest(BaseModel):
                                                           "frequency_penalty", "repetition_penalty")
                  if getattr(self, name) is not None}
         constraint = self.structured_constraint()
+        logit_bias = None
+        if self.logit_bias is not None:
+            try:
+                logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+                raise BadRequest(f"logit_bias keys must be token ids, got {bad!r}", "logit_bias") from None
         try:
             return SamplingParams(
                 **given, n=self.n, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens,
                 max_tokens=max_tokens if max_tokens is not None else max(1, self.min_tokens),
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
-                structured_outputs=constraint)
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint)
         except (ValueError, TypeError) as e:
             raise self.bad_request(e) from e
 

@@ -240,16 +240,27 @@ class SamplingBatch:
     banned: tuple | None = None                 # (rows, token ids): logits set to -inf (min_tokens)
     num_logprobs: int | None = None             # top-k log-probabilities to return (max over rows)
     bitmask: tuple | None = None                # (rows [n], bitmask [n, V / 32] int32): grammar-constrained rows
+    biases: tuple | None = None                 # (rows, token ids, biases) [N] each: logit_bias
+    allowed: tuple | None = None                # (rows, token ids) [N] each: allowed_token_ids (others -inf)
     all_greedy: bool = False                    # no row samples: skip the noise and softmax
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The float32 logits with the tokens their grammars forbid (structured outputs) at -inf,
-    the batch's penalties applied and its banned tokens (min_tokens) at -inf: what greedy takes
-    the argmax of, and temperature scales (the rejection sampler's target distribution too)."""
+    """The float32 logits with the tokens their grammars forbid (structured outputs) or that
+    allowed_token_ids leaves out at -inf, logit_bias added, the batch's penalties applied and its
+    banned tokens (min_tokens) at -inf: what greedy takes the argmax of, and temperature scales
+    (the rejection sampler's target distribution too). The raw logits are left as they are."""
     if batch.bitmask is not None:
         from nanovllm.engine.structured_outputs import apply_bitmask  # (xgrammar: only when a row is constrained)
         logits = apply_bitmask(logits, *batch.bitmask)
+    if batch.allowed is not None:
+        rows, ids = batch.allowed
+        keep = torch.zeros_like(logits, dtype=torch.bool).index_put_((rows, ids), torch.ones_like(rows, dtype=torch.bool))
+        restricted = torch.zeros(len(logits), dtype=torch.bool, device=logits.device).index_fill_(0, rows, True)
+        logits = logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
+    if batch.biases is not None:
+        rows, ids, biases = batch.biases
+        logits = logits.index_put((rows, ids), biases, accumulate=True)
     if batch.penalties is not None:
         logits = apply_penalties(logits, *batch.penalties)
     if batch.banned is not None:
