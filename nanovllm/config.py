@@ -1,5 +1,6 @@
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,31 @@ LOAD_FORMATS = ("auto", "dummy")
 FLASH_ATTN_BLOCK_SIZE = 256
 DEFAULT_BLOCK_SIZE = 16
 GENERATION_CONFIG = "generation_config.json"
+# A Hugging Face Hub repository id: "Qwen/Qwen3-0.6B" (or a bare "gpt2"), not a path
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w][\w.-]*)?")
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]  # config, weights, tokenizer
+
+
+def resolve_model(name, what: str = "model") -> str:
+    """A model's local folder: `name` itself when it is one; else the snapshot of the Hugging Face
+    Hub repository of that id (its config, weights and tokenizer files; downloaded into the Hub
+    cache, or found there when offline, as vLLM does). A ValueError when it is neither."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a path to a Hugging Face model folder or a Hub repository id, got {name!r}")
+    name = os.fspath(name)
+    if os.path.isdir(name):
+        return name
+    if os.path.isabs(name) or name.startswith(".") or not REPO_ID.fullmatch(name):
+        raise ValueError(f"{what} folder {name!r} does not exist")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name, allow_patterns=HUB_FILES)
+    except Exception as online:  # no network, an unknown repository, a gated one: try the cache alone
+        try:
+            return snapshot_download(name, allow_patterns=HUB_FILES, local_files_only=True)
+        except Exception:
+            raise ValueError(f"{what} {name!r} does not exist as a folder, and the Hugging Face Hub repository of that "
+                             f"name could not be fetched or found in the local cache: {online}") from online
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -70,7 +96,8 @@ class SpeculativeConfig:
         """The draft model's config, checked against the target's: an architecture this engine
         runs, positions up to max_model_len, and logits over the target's token ids (the two
         tokenizers are compared once the engine has loaded them: check_draft_tokenizer)."""
-        folder = os.fspath(self.model)
+        folder = resolve_model(self.model, "speculative_config's draft model")
+        object.__setattr__(self, "model", folder)  # (a Hub id: its local snapshot)
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise ValueError(f"speculative_config's draft model folder {folder!r} has no config.json")
         try:
@@ -140,11 +167,7 @@ class Config:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
-        if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path to a Hugging Face model folder, got {self.model!r}")
-        self.model = os.fspath(self.model)
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model folder {self.model!r} does not exist")
+        self.model = resolve_model(self.model)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -7,7 +7,9 @@ from nanovllm.engine.llm_engine import LLMEngine
 class LLM(LLMEngine):
     """The public entry point: `LLM(path).generate(prompts, SamplingParams(...))`.
 
-    model: a Hugging Face folder (config.json, *.safetensors, optional tokenizer files).
+    model: a Hugging Face folder (config.json, *.safetensors, optional tokenizer files), or a Hub
+        repository id such as "Qwen/Qwen3-0.6B" (downloaded into the Hub cache, or read from it
+        offline).
     device: "cuda" when available, else "cpu".  dtype: the config's dtype on CUDA (bf16 if it
         says float32), float32 on CPU; or "float32" / "bfloat16" / "float16" / a torch dtype.
     tensor_parallel_size: ranks to shard the model over.  enforce_eager: no CUDA graphs.
