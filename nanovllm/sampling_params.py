@@ -81,6 +81,9 @@ class SamplingParams:
     allowed_token_ids: only these tokens may be sampled (None: all), as vLLM's.
     structured_outputs: a StructuredOutputsParams the completion must satisfy (None: free text).
         Not with min_tokens (a finished grammar allows only EOS, which min_tokens forbids).
+    prompt_logprobs: also return, per prompt token, its log-probability given the tokens before it
+        and the `prompt_logprobs` most likely ones (None for the first token; None: off). Such a
+        request computes its whole prompt (no prefix-cache read).
     seed: makes this request's samples reproducible whatever else shares its batch (None: drawn
         from the engine's RNG). On CPU in float32 that holds exactly; on a GPU the logits
         themselves depend on the batch (cuBLAS picks its kernels by the number of rows, and CUDA
@@ -101,6 +104,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | tuple[int, ...] | None = None
@@ -141,6 +145,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
         integer("n", 1)
         integer("logprobs", 0, allow_none=True)
+        integer("prompt_logprobs", 0, allow_none=True)
         integer("seed", 0, allow_none=True)
         if self.seed is not None and self.seed >= 2**63:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")

@@ -114,6 +114,17 @@ def test_tp2_speculative_equals_tp1_plain(model_dir, method):
     assert stats["spec_num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
 
 
+def test_tp2_prompt_logprobs_equal_tp1(model_dir):
+    """Every rank takes part in the LM head of the prompt's rows (its gather); rank 0 has them."""
+    prompt = [5, 17, 33, 2, 9, 100, 200, 300] * 4
+    params = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    expected = LLM(model_dir, max_model_len=128, max_num_batched_tokens=16).generate([prompt], params, use_tqdm=False)
+    with LLM(model_dir, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=16) as llm:
+        got = llm.generate([prompt], params, use_tqdm=False)
+    for mine, theirs in zip(got[0]["prompt_logprobs"][1:], expected[0]["prompt_logprobs"][1:], strict=True):
+        assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+
+
 def test_two_engines_at_once_and_shutdown(model_dir, tied_model_dir, prompts, reference):
     before = set(child_pids())
     a = LLM(model_dir, tensor_parallel_size=2, max_model_len=400)

@@ -95,12 +95,13 @@ class BlockManager:
             prev_hash, parent = h, (block_id, block.generation)
         return block_ids, hashes
 
-    def allocate(self, seq: Sequence) -> int | None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks. Returns
-        how many of its tokens the cache serves (their K/V are computed already), or None,
-        changing nothing, when too few blocks are free."""
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> int | None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks (unless
+        not use_cache: it must compute every token). Returns how many of its tokens the cache
+        serves (their K/V are computed already), or None, changing nothing, when too few blocks
+        are free."""
         assert not seq.block_table and seq.num_tokens == len(seq.token_ids)
-        hit_ids, hashes = self._match_prefix(seq)
+        hit_ids, hashes = self._match_prefix(seq) if use_cache else ([], [])
         num_revived = sum(self.blocks[b].ref_count == 0 for b in hit_ids)
         num_new = self.blocks_needed(seq.num_tokens) - len(hit_ids)
         if num_new + num_revived > len(self.free):

@@ -173,9 +173,10 @@ class LLMEngine:
         if sampling_params.top_k > vocab_size:
             raise ValueError(f"SamplingParams.top_k={sampling_params.top_k} exceeds the model's vocabulary of "
                              f"{vocab_size} tokens")
-        if sampling_params.logprobs is not None and sampling_params.logprobs > vocab_size:
-            raise ValueError(f"SamplingParams.logprobs={sampling_params.logprobs} exceeds the model's vocabulary "
-                             f"of {vocab_size} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sampling_params, name)
+            if k is not None and k > vocab_size:
+                raise ValueError(f"SamplingParams.{name}={k} exceeds the model's vocabulary of {vocab_size} tokens")
         for name, ids in (("stop_token_ids", sampling_params.stop_token_ids),
                           ("logit_bias", sampling_params.logit_bias or ()),
                           ("allowed_token_ids", sampling_params.allowed_token_ids or ())):
@@ -273,6 +274,8 @@ class LLMEngine:
         if done.sampled.corrected:  # (rare) tokens redrawn after the device's token table had the first draw
             self.scheduler.correct(done.step, done.sampled.corrected, tokens,
                                    self.in_flight.step if self.in_flight is not None else None)
+        if done.sampled.prompt_logprobs:
+            self._collect_prompt_logprobs(done)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         if self.overlap and launched is None:  # nothing could run beside `done` (constrained rows
             self.in_flight = self._launch()    # wait for their tokens): the next step starts now
@@ -280,6 +283,21 @@ class LLMEngine:
         if self.recorder is not None:
             self.recorder.step_accounted(done, self, tokens)
         return updated
+
+    @staticmethod
+    def _collect_prompt_logprobs(done: InFlightStep):
+        """Append the step's prompt logprobs to their sequences: per prompt token {its id: logprob,
+        and the top k's}. A position collected already (a prompt recomputed after preemption) is
+        skipped."""
+        for i, first, chosen, values, ids in done.sampled.prompt_logprobs:
+            seq = done.step.seqs[i]
+            chosen = chosen.tolist()
+            values, ids = (values.tolist(), ids.tolist()) if values is not None else ([[]] * len(chosen),) * 2
+            for j, logprob in enumerate(chosen):
+                if first + j == len(seq.prompt_logprobs):
+                    entry = dict(zip(ids[j], values[j]))
+                    entry[seq.token_ids[first + j]] = logprob
+                    seq.prompt_logprobs.append(entry)
 
     def _launch(self) -> InFlightStep | None:
         """Schedule a step and start it on the device; None when nothing can be scheduled."""
@@ -362,6 +380,8 @@ class LLMEngine:
                "stop_reason": seq.stop_reason, "metrics": seq.metrics()}
         if seq.logprobs is not None:
             out["logprobs"] = seq.logprobs
+        if seq.prompt_logprobs is not None:
+            out["prompt_logprobs"] = seq.prompt_logprobs
         return out
 
     def output(self, samples: list[Sequence]) -> dict:
@@ -466,6 +486,8 @@ class LLMEngine:
                   "finished": seq.is_finished}
         if seq.logprobs is not None:
             update["logprobs"] = seq.logprobs[first:first + len(new_ids)]
+        if seq.prompt_logprobs is not None and first == 0:  # (complete once the first token is in)
+            update["prompt_logprobs"] = seq.prompt_logprobs
         if seq.is_finished:
             update.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                           num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics())

@@ -28,6 +28,9 @@ CPU_KV_CACHE_BYTES = 2 << 30
 # The decode graphs' memory is measured by capturing the largest one; the ladder's other graphs
 # share its pool but each adds an executable and pool fragments the probe does not see: a margin.
 GRAPH_MEMORY_MARGIN = 1.25
+# Prompt logprobs are computed from this many rows' logits at a time (a [rows, vocab] float32
+# matrix: 1024 x 151,936 is 620 MB), never the whole prompt's.
+PROMPT_LOGPROBS_ROWS = 1024
 # A step's inputs travel in one int64 buffer, each part starting at a multiple of this many
 # elements (16 bytes): Triton specializes kernels on whether a pointer is 16-byte aligned, so a
 # part at an odd offset would compile another variant of every kernel that reads it.
@@ -56,6 +59,7 @@ def flatten_writes(writes: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray
 class SampledTokens:
     """A launched step's sampled tokens (and logprobs) on their way to the host: the copies are
     queued behind the step on the device, into pinned memory, and result() waits for them."""
+    prompt_logprobs: list | None = None  # ModelRunner._prompt_logprobs' (the engine reads them after result())
 
     def __init__(self, tokens: torch.Tensor | None = None, logprobs: tuple | None = None,
                  num_logprobs: list[int | None] | None = None, redo: Redo | None = None):
@@ -118,6 +122,7 @@ class VerifiedTokens:
     tokens (its accepted drafts, then one more) and their logprobs. The host waits for them at
     once: its next drafts depend on them (speculative steps do not overlap)."""
     corrected: tuple = ()  # (as SampledTokens': nothing is ever redrawn here)
+    prompt_logprobs: list | None = None
     wait_s = 0.0
 
     def __init__(self, tokens: torch.Tensor, emitted: torch.Tensor, logprobs: tuple | None,
@@ -168,6 +173,7 @@ class StepInputs:
     graph_size: int           # the captured batch size it replays at; 0: eager
     graphs: "DecodeGraphs | None" = None  # ... of these graphs; a replay takes rows, positions (of
     num_new: torch.Tensor | None = None   # each one's last new token, padded) and num_new (speculative)
+    prompt_logprobs: list | None = None   # ModelRunner._prompt_logprobs' (rank 0)
 
 
 class ModelRunner:
@@ -379,6 +385,7 @@ class ModelRunner:
             tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)
             out = SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
+        out.prompt_logprobs = inputs.prompt_logprobs
         if self.recorder is not None:
             self.recorder.device_step_ended(batch)
         return out
@@ -411,7 +418,34 @@ class ModelRunner:
             else:
                 hidden = model(inputs.input_ids, inputs.positions)
             logits = model.compute_logits(hidden) if batch.samples.any() else None
+        if batch.prompt_logprobs and model is self.model:
+            inputs.prompt_logprobs = self._prompt_logprobs(hidden, batch, inputs)
         return logits, inputs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch, inputs: StepInputs) -> list | None:
+        """The logprobs of the prompt tokens batch.prompt_logprobs asks for: per entry (sequence
+        index, first prompt position, chosen [n], top values [n, k], top ids [n, k]), on rank 0
+        (None on the others, which take part in the LM head's gather). From float32 log_softmax
+        of PROMPT_LOGPROBS_ROWS rows at a time: never a whole [prompt, vocab] matrix at once."""
+        cu_q = inputs.context.cu_seqlens_q_cpu
+        results = []
+        for i, offset, count, k in batch.prompt_logprobs:
+            start = int(batch.starts[i]) + offset                    # the first token whose hidden state is used
+            targets = self.token_table[int(batch.rows[i]), start + 1:start + 1 + count].long()
+            parts = []
+            for c in range(0, count, PROMPT_LOGPROBS_ROWS):
+                rows = slice(cu_q[i] + offset + c, cu_q[i] + offset + min(count, c + PROMPT_LOGPROBS_ROWS))
+                with forward_context(Context()):  # (no logits_indices: every row)
+                    logits = self.model.compute_logits(hidden[rows])
+                if logits is None:  # ranks above 0
+                    continue
+                logprobs = torch.log_softmax(logits.float(), -1)
+                top = logprobs.topk(k, -1) if k else None
+                parts.append((logprobs.gather(1, targets[c:c + len(logprobs), None])[:, 0],
+                              top.values if top else None, top.indices if top else None))
+            if parts:
+                results.append((i, start + 1, *(torch.cat(p) if p[0] is not None else None for p in zip(*parts))))
+        return results if self.rank == 0 else None
 
     def _share_drafts(self, batch: StepBatch):
         """Tensor parallelism with a draft model: rank 0 broadcasts the drafts it wrote into its

@@ -48,6 +48,7 @@ class ScheduledStep:
     num_drafts: list[int] = field(default_factory=list)  # per sequence: its draft tokens (speculative decoding)
     num_draft_tokens: int = 0                             # their sum: > 0 in a speculative step
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
+    prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
@@ -58,6 +59,7 @@ class ScheduledStep:
                           self.fixed_tokens)
         if self.num_draft_tokens:
             batch.num_drafts, batch.draft_tokens = np.array(self.num_drafts, dtype=np.int32), self.draft_tokens
+        batch.prompt_logprobs = self.prompt_logprobs
         return batch
 
 
@@ -194,7 +196,19 @@ class Scheduler:
                 add_filled((seq, known))
             if seq.forks and end >= seq.num_prompt_tokens:
                 step.forking.append(seq)
+            if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:
+                self._want_prompt_logprobs(step, seq, start, end)
         return budget
+
+    @staticmethod
+    def _want_prompt_logprobs(step: ScheduledStep, seq: Sequence, start: int, end: int):
+        """The chunk [start, end) of a prompt whose logprobs are asked for: its tokens at p predict
+        the prompt tokens at p + 1, those not collected yet (a recomputed prompt skips them)."""
+        first = max(start, len(seq.prompt_logprobs) - 1)  # (prompt_logprobs[j]: the token at j)
+        last = min(end, seq.num_prompt_tokens - 1)
+        if last > first:
+            step.prompt_logprobs.append((len(step.seqs) - 1, first - start, last - first,
+                                         seq.sampling_params.prompt_logprobs))
 
     def _drafts(self, seq: Sequence) -> tuple[int, list[int] | None]:
         """How many draft tokens a decoding sequence whose tokens the host knows verifies, and
@@ -241,7 +255,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_tokens > len(seq.token_ids):
                 break  # preempted with a token in flight: its id must reach the host first
-            num_cached = self.block_manager.allocate(seq)
+            num_cached = self.block_manager.allocate(seq, use_cache=seq.prompt_logprobs is None)
             if num_cached is None:
                 break
             self.waiting.popleft()

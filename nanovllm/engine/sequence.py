@@ -36,7 +36,8 @@ class Sequence:
                  "block_hashes", "num_cached_tokens", "admitted", "stop_ids", "forks", "finish_reason",
                  "stop_reason", "logprobs", "detokenizer", "text", "num_emitted_tokens", "num_emitted_chars",
                  "inbox", "arrival_time", "first_token_time", "finish_time", "spec_draft_tokens",
-                 "spec_accepted_tokens", "spec_acceptance", "spec_steps_since_draft", "token_buffer", "matcher")
+                 "spec_accepted_tokens", "spec_acceptance", "spec_steps_since_draft", "token_buffer", "matcher",
+                 "prompt_logprobs")
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int, index: int = 0,
                  sample_index: int = 0):
@@ -72,6 +73,8 @@ class Sequence:
         self.spec_steps_since_draft = 0        # decode steps since it last drafted (adaptive speculation)
         self.token_buffer = None               # its tokens as numpy, for the n-gram proposer (Scheduler._drafts)
         self.matcher = None                    # structured outputs: its grammar's state (the engine's, at creation)
+        # per prompt token, its logprob dict (None for the first); the first sample's alone
+        self.prompt_logprobs = [None] if sampling_params.prompt_logprobs is not None and sample_index == 0 else None
 
     @property
     def num_completion_tokens(self) -> int:

@@ -27,6 +27,9 @@ class StepBatch:
     # drafts in this step), and their ids, written into the token table before the step runs
     num_drafts: np.ndarray | None = None                                       # [B] int32
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, tokens)
+    # prompt logprobs: (sequence index in the step, first new token whose hidden state predicts a
+    # prompt token, how many do, top k): logprobs of the prompt tokens after them
+    prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

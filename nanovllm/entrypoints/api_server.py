@@ -421,6 +421,9 @@ class Choices:
         """A whole choice's text, as the response's choice holds it."""
         raise NotImplementedError
 
+    def echo(self, c: int, texts: dict, ids: dict, entries: dict, finals: dict, prompt_entries: list | None):
+        """Completions' echo: choice c's text, tokens and logprobs with its prompt's first."""
+
     def delta(self, text: str) -> dict:
         """The text of a streamed chunk, as its choice holds it."""
         raise NotImplementedError
@@ -438,8 +441,10 @@ class Choices:
         return list(token_bytes(self.tokenizer, token_id)) if self.tokenizer is not None else []
 
     def _ranked(self, token_ids: list[int], entries: list[dict], k: int) -> list[tuple[str, float, list]]:
-        """(token text, its logprob, the k most likely (token id, logprob)) of each token."""
+        """(token text, its logprob, the k most likely (token id, logprob)) of each token (None,
+        None for a prompt's first token, which has no logprob: echo)."""
         return [(self._token(token_id), entry[token_id], sorted(entry.items(), key=lambda item: -item[1])[:k])
+                if entry is not None else (self._token(token_id), None, None)
                 for token_id, entry in zip(token_ids, entries)]
 
     def usage(self, finals: dict[int, dict]) -> dict:
@@ -465,15 +470,20 @@ class Choices:
         ids: dict[int, list[int]] = {}
         entries: dict[int, list[dict]] = {}
         finals: dict[int, dict] = {}
+        prompt_entries: dict[int, list] = {}  # per request: its prompt logprobs (echo)
         async for i, update in self._updates():
             c = i * self.n + update["sample"]
             texts.setdefault(c, []).append(update["text"] or "")
             ids.setdefault(c, []).extend(update["token_ids"])
             if "logprobs" in update:
                 entries.setdefault(c, []).extend(update["logprobs"])
+            if "prompt_logprobs" in update:
+                prompt_entries[i] = update["prompt_logprobs"]
             if update["finished"]:
                 finals[c] = {"num_tokens": len(ids[c]), "num_cached_tokens": update["num_cached_tokens"],
                              "finish_reason": update["finish_reason"], "stop_reason": update["stop_reason"]}
+        for c in finals:
+            self.echo(c, texts, ids, entries, finals, prompt_entries.get(c // self.n))
         choices = [{"index": c, "logprobs": self.logprobs(ids[c], entries.get(c), 0),
                     "finish_reason": finals[c]["finish_reason"], "stop_reason": finals[c]["stop_reason"],
                     **self.content("".join(texts[c]))}
@@ -522,6 +532,19 @@ class CompletionChoices(Choices):
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
     body: CompletionRequest
 
+    def echo(self, c: int, texts: dict, ids: dict, entries: dict, finals: dict, prompt_entries: list | None):
+        if not self.body.echo:
+            return
+        if self.body.echo_only:  # (max_tokens 0: the one token the engine generated is left out)
+            texts[c], ids[c], finals[c]["num_tokens"], finals[c]["finish_reason"] = [], [], 0, "length"
+            if c in entries:
+                entries[c] = []
+        prompt_ids = self.requests[c // self.n].prompt_token_ids
+        texts[c] = [self.tokenizer.decode(prompt_ids) if self.tokenizer is not None else "", *texts[c]]
+        ids[c] = [*prompt_ids, *ids[c]]
+        if prompt_entries is not None:
+            entries[c] = [*prompt_entries, *(entries.get(c) or [])]
+
     def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
         if entries is None:
             return None
@@ -531,7 +554,8 @@ class CompletionChoices(Choices):
             offsets.append(text_offset)
             text_offset += len(token)
         return {"tokens": [token for token, _, _ in ranked], "token_logprobs": [lp for _, lp, _ in ranked],
-                "text_offset": offsets, "top_logprobs": [self._top(top) for _, _, top in ranked]}
+                "text_offset": offsets,
+                "top_logprobs": [self._top(top) if top is not None else None for _, _, top in ranked]}
 
     def _top(self, top: list[tuple[int, float]]) -> dict[str, float]:
         """{token text: logprob} of the most likely tokens; a token whose text another one holds

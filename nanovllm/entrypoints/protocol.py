@@ -101,6 +101,10 @@ class SamplingRequest(BaseModel):
         leaves of max_model_len)."""
         return self.max_tokens
 
+    def prompt_logprobs(self) -> int | None:
+        """How many top logprobs per prompt token the response needs (None: none)."""
+        return None
+
     def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request (without a completion limit, max_tokens is a placeholder
         the server replaces by what the prompt leaves of the context). Bad values are a
@@ -127,7 +131,8 @@ class SamplingRequest(BaseModel):
                 max_tokens=max_tokens if max_tokens is not None else max(1, self.min_tokens),
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
-                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint)
+                logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
+                prompt_logprobs=self.prompt_logprobs())
         except (ValueError, TypeError) as e:
             raise self.bad_request(e) from e
 
@@ -178,10 +183,22 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (as lm-eval's loglikelihood requests may send): the prompt alone
+        (the engine generates one token, which the response leaves out)."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_limit(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s): one string, strings, token ids, or lists of token ids."""
-        if self.echo:
-            raise BadRequest("echo is not supported", "echo")
+        if self.echo and self.stream:
+            raise BadRequest("echo is not supported with stream", "echo")
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]

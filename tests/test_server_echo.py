@@ -1,0 +1,94 @@
+"""Completions with echo: the prompt's tokens, token_logprobs (None first), top_logprobs and
+text_offset before the completion's, with max_tokens 0 or more, as vLLM serves them; replayed
+with lm-evaluation-harness's own loglikelihood payload and parser (lm_eval/models/
+openai_completions.py: LocalCompletionsAPI._create_payload and parse_logprobs), whose sums must
+equal a Hugging Face forward's."""
+from operator import itemgetter
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+httpx = pytest.importorskip("httpx")
+
+from nanovllm.utils.tiny_model import build_model  # noqa: E402
+from serving import error_of, module_server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model(str(tmp_path_factory.mktemp("echo")))
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    yield from module_server(model, tmp_path_factory, max_model_len=256)
+
+
+def lm_eval_payload(messages, seed=1234):
+    """LocalCompletionsAPI._create_payload(messages, generate=False): a batch of token-id prompts."""
+    return {"model": None, "prompt": messages, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": seed,
+            "echo": True}
+
+
+def lm_eval_parse_logprobs(outputs, ctxlens):
+    """LocalCompletionsAPI.parse_logprobs: (sum of the continuation's logprobs, is it greedy)."""
+    res = []
+    for out in outputs if isinstance(outputs, list) else [outputs]:
+        for choice, ctxlen in zip(sorted(out["choices"], key=itemgetter("index")), ctxlens):
+            assert ctxlen > 0
+            tokens_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+            top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+            is_greedy = all(tok == max(top.values()) for tok, top in zip(tokens_logprobs, top_logprobs))
+            res.append((sum(tokens_logprobs), is_greedy))
+    return res
+
+
+def test_lm_evals_loglikelihood_requests(server, model):
+    """Multiple-choice scoring: context + each continuation, scored in one batch."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    context = [5, 17, 33, 2, 9, 100, 200]
+    continuations = [[300, 41], [42], [7, 8, 9]]
+    with torch.no_grad():  # the continuations' greedy one, to score too
+        greedy = [hf(torch.tensor([context])).logits[0, -1].argmax().item()]
+    continuations.append(greedy)
+    prompts = [context + c for c in continuations]
+    response = httpx.post(server.url + "/v1/completions", json=lm_eval_payload(prompts), timeout=60)
+    assert response.status_code == 200, response.text
+    scores = lm_eval_parse_logprobs(response.json(), [len(context)] * len(prompts))
+    for prompt, continuation, (score, is_greedy) in zip(prompts, continuations, scores):
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        positions = range(len(context), len(prompt))
+        expected = sum(logprobs[p - 1, prompt[p]].item() for p in positions)
+        assert score == pytest.approx(expected, abs=1e-4)
+        assert is_greedy == all(logprobs[p - 1].argmax().item() == prompt[p] for p in positions)
+    assert scores[-1][1]  # (the greedy continuation is greedy)
+
+
+def test_echo_with_max_tokens_0_and_with_a_completion(server):
+    prompt = [5, 17, 33, 2, 9]
+    only = httpx.post(server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2}).json()
+    choice = only["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(prompt)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+    assert choice["text"] == "".join(lp["tokens"]) and lp["text_offset"][0] == 0
+    assert only["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+    full = httpx.post(server.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 2, "temperature": 0}).json()
+    flp = full["choices"][0]["logprobs"]
+    assert len(flp["tokens"]) == len(prompt) + 3 and flp["token_logprobs"][:len(prompt)] == lp["token_logprobs"]
+    assert full["choices"][0]["text"].startswith(choice["text"])
+    plain = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": prompt, "max_tokens": 3, "temperature": 0}).json()
+    assert full["choices"][0]["text"] == choice["text"] + plain["choices"][0]["text"]
+
+
+def test_echo_with_stream_is_a_400(server):
+    response = httpx.post(server.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "echo": True, "stream": True})
+    assert error_of(response, 400)["param"] == "echo"
