@@ -215,7 +215,7 @@ def test_cached_tokens_on_a_repeated_long_prompt(client):
     ({"prompt": ""}, "prompt", "empty prompt"),
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": [1, 2, 100000]}, "prompt", "outside the vocabulary"),
-    ({"prompt": "hi", "echo": True}, "echo", "echo"),
+    ({"prompt": "hi", "echo": True, "stream": True}, "echo", "echo"),
     ({"prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
     ({"prompt": "hi", "n": 10**9}, "n", "less than or equal to 128"),
     ({"prompt": "hi", "top_k": 10**20}, "top_k", "top_k"),
