@@ -13,6 +13,7 @@ import sys
 
 from nanovllm.entrypoints.args import add_llm_arguments
 from nanovllm.entrypoints.chat import chat
+from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.utils.logging import configure_logging
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
                               help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOVLLM_API_KEY)")
     serve_parser.add_argument("--served-model-name", help="the model's name in the API (default: MODEL as given)")
+    serve_parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default="hermes",
+                              help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, "
+                                   "Qwen2.5's and Qwen3's)")
     serve_parser.add_argument("--max-queued-requests", type=int, default=None,
                               help="refuse requests with 503 while this many are waiting (default: no limit)")
     serve_parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,

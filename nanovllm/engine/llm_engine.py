@@ -135,14 +135,15 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         return ids
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages ({"role", "content"} dicts) as prompt token ids, through the tokenizer's
-        chat template, with the assistant's turn opened."""
+        chat template, with the assistant's turn opened; tools (OpenAI's definitions) go to the
+        template too, which lists them for the model."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the model {self.config.model!r} has no chat template (its tokenizer_config.json "
                              "names none): chat needs one; use completions instead")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja2's TemplateError, or a template that raises on these messages
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
         return self._encode_text(text, add_special_tokens=False)  # (the template has any BOS already)

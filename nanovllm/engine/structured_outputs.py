@@ -22,6 +22,7 @@ so it decodes every other step while unconstrained sequences beside it keep ever
 never drafts (speculative decoding).
 """
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -96,11 +97,7 @@ class Grammars:
         kind, c = params.kind, self.compiler
         try:
             if kind in ("json", "json_object"):
-                grammar = str(self.xgr.Grammar.from_json_schema(params.json or '{"type": "object"}',
-                                                                any_whitespace=False))
-                for old, new in JSON_PATCHES:
-                    grammar = grammar.replace(old, new)
-                return c.compile_grammar(grammar)
+                return c.compile_grammar(json_grammar(params.json or '{"type": "object"}'))
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":  # one string literal per choice (JSON escapes are GBNF's)
@@ -120,6 +117,15 @@ class Grammars:
         for i, (_, matcher) in enumerate(matchers):
             matcher.fill_next_token_bitmask(bitmask, i)
         return np.array([row for row, _ in matchers], dtype=np.int64), bitmask
+
+
+def json_grammar(schema: str | dict, root: str = "root") -> str:
+    """The EBNF text (xgrammar's) of compact JSON valid against schema, its top rule named root
+    (another name lets a grammar embed it), with JSON_PATCHES applied."""
+    grammar = str(import_xgrammar().Grammar.from_json_schema(schema, any_whitespace=False))
+    for old, new in JSON_PATCHES:
+        grammar = grammar.replace(old, new)
+    return grammar if root == "root" else re.sub(r"\broot\b", root, grammar)
 
 
 DESCRIPTIONS = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",

@@ -40,9 +40,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.llm_engine import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args
-from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown, TooLarge, updates
+from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDead, QueueFull, ShuttingDown, TooLarge,
+                                               updates)
 from nanovllm.engine.structured_outputs import import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
+from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                            SamplingRequest, inline_schema, parse_body)
 
@@ -252,16 +254,19 @@ async def completions(http: Request):
 @v1.post("/chat/completions", **body_of(ChatCompletionRequest))
 async def chat_completions(http: Request):
     body = parse_body(await http.body(), http.headers.get("content-type"), ChatCompletionRequest)
+    body._tool_parser = http.app.state.tool_parser
     messages = [m.as_template_input() for m in body.messages]
-    return await respond(http, body, [messages], body.num_logprobs(), ChatChoices)
+    return await respond(http, body, [ChatPrompt(messages, body.tool_definitions())], body.num_logprobs(),
+                         ChatChoices)
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
-              metrics: ServingMetrics | None, max_request_bytes: int) -> Gate:
+              metrics: ServingMetrics | None, max_request_bytes: int, tool_call_parser: str = "hermes") -> Gate:
     """What to serve: the FastAPI app (`.app`) serving `engine` under the name
     `served_model_name`, the endpoints above with what they serve in app.state, behind its Gate."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
     app.state.engine, app.state.served_model_name, app.state.metrics = engine, served_model_name, metrics
+    app.state.tool_parser = TOOL_PARSERS[tool_call_parser]()
     for error, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
     app.include_router(public)
@@ -424,6 +429,16 @@ class Choices:
     def echo(self, c: int, texts: dict, ids: dict, entries: dict, finals: dict, prompt_entries: list | None):
         """Completions' echo: choice c's text, tokens and logprobs with its prompt's first."""
 
+    def final(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """A finished choice's content fields and finish reason (chat: its tool calls parsed)."""
+        return self.content(text), finish_reason
+
+    def stream_piece(self, c: int, text: str, finished: bool, finish_reason: str | None
+                     ) -> tuple[str, dict, str | None]:
+        """What of choice c's new text to stream now, more delta fields, and its finish reason
+        (chat with tools holds back text that may be a tool call)."""
+        return text, {}, finish_reason
+
     def delta(self, text: str) -> dict:
         """The text of a streamed chunk, as its choice holds it."""
         raise NotImplementedError
@@ -484,10 +499,11 @@ class Choices:
                              "finish_reason": update["finish_reason"], "stop_reason": update["stop_reason"]}
         for c in finals:
             self.echo(c, texts, ids, entries, finals, prompt_entries.get(c // self.n))
-        choices = [{"index": c, "logprobs": self.logprobs(ids[c], entries.get(c), 0),
-                    "finish_reason": finals[c]["finish_reason"], "stop_reason": finals[c]["stop_reason"],
-                    **self.content("".join(texts[c]))}
-                   for c in sorted(finals)]
+        choices = []
+        for c in sorted(finals):
+            content, finish_reason = self.final("".join(texts[c]), finals[c]["finish_reason"])
+            choices.append({"index": c, "logprobs": self.logprobs(ids[c], entries.get(c), 0),
+                            "finish_reason": finish_reason, "stop_reason": finals[c]["stop_reason"], **content})
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
 
@@ -510,14 +526,15 @@ class Choices:
             yield chunk(opening)
         async for i, update in self._updates():
             c = i * self.n + update["sample"]
-            text = update["text"] or ""
+            text, extra, finish_reason = self.stream_piece(c, update["text"] or "", update["finished"],
+                                                           update.get("finish_reason"))
             num_tokens[c] = num_tokens.get(c, 0) + len(update["token_ids"])
             if not text and not update["finished"] and "logprobs" not in update:
                 continue  # (its tokens' text is held back: an unfinished character or stop string)
             logprobs = self.logprobs(update["token_ids"], update.get("logprobs"), lengths.get(c, 0))
             lengths[c] = lengths.get(c, 0) + len(text)
-            choice = {"index": c, **self.delta(text), "logprobs": logprobs,
-                      "finish_reason": update["finish_reason"] if update["finished"] else None}
+            choice = {"index": c, **self.delta(text, **extra), "logprobs": logprobs,
+                      "finish_reason": finish_reason if update["finished"] else None}
             if update["finished"]:
                 finals[c] = {"num_tokens": num_tokens[c], "num_cached_tokens": update["num_cached_tokens"]}
                 choice["stop_reason"] = update["stop_reason"]
@@ -579,6 +596,10 @@ class ChatChoices(Choices):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     body: ChatCompletionRequest
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._pending: dict[int, str] = {}  # per choice: text held back (a tool call may start there)
+
     def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
         if entries is None:
             return None
@@ -591,8 +612,40 @@ class ChatChoices(Choices):
     def content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
 
-    def delta(self, text: str) -> dict:
-        return {"delta": {"content": text} if text else {}}
+    def delta(self, text: str, tool_calls: list | None = None) -> dict:
+        delta = {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return {"delta": delta}
+
+    def final(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """With tools (tool_choice not "none"), the calls the tool parser finds become the
+        message's tool_calls, and a completion that ended there finishes with "tool_calls"."""
+        if not self.body.calls_tools():
+            return self.content(text), finish_reason
+        content, calls = self.body._tool_parser.parse(text)
+        if not calls:
+            return self.content(text), finish_reason
+        message = {"role": "assistant", "content": content, "tool_calls": [call.as_api() for call in calls]}
+        return {"message": message}, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def stream_piece(self, c: int, text: str, finished: bool, finish_reason: str | None
+                     ) -> tuple[str, dict, str | None]:
+        """Text streams as it comes up to where a tool call may begin (the parser's held_back);
+        the rest waits for the end, then comes as content and `tool_calls` deltas."""
+        if not self.body.calls_tools():
+            return text, {}, finish_reason
+        parser, pending = self.body._tool_parser, self._pending.get(c, "") + text
+        if not finished:
+            cut = parser.held_back(pending)
+            self._pending[c] = pending[cut:]
+            return pending[:cut], {}, finish_reason
+        self._pending.pop(c, None)
+        content, calls = parser.parse(pending)
+        if not calls:
+            return pending, {}, finish_reason
+        return (content or "", {"tool_calls": [call.as_api(i) for i, call in enumerate(calls)]},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
 
     def opening(self) -> list[dict]:
         return [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -636,7 +689,7 @@ def serve(args) -> int:
     metrics = None if args.no_metrics else ServingMetrics()
     engine = AsyncEngine(llm, args.max_queued_requests, metrics)
     name = args.served_model_name or args.model
-    gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes)
+    gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes, args.tool_call_parser)
     banner = f"nanovllm: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
     server = Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_log_requests, timeout_graceful_shutdown=5),

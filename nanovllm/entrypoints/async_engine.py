@@ -59,6 +59,13 @@ class EngineDead(Exception):
     """The engine thread failed (for example a tensor-parallel worker died); nothing more can run."""
 
 
+@dataclasses.dataclass
+class ChatPrompt:
+    """Chat messages and the tools offered with them, to render with the chat template."""
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One prompt of a call, tokenized and checked, with its sampling parameters. Its updates
@@ -166,7 +173,9 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self._encode, prompt)
 
     def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
+        if isinstance(prompt, ChatPrompt):
+            prompt = self.llm.render_chat(prompt.messages, prompt.tools)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
             prompt = self.llm.render_chat(prompt)
         return self.llm.encode_prompt(prompt)
 

@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a
 body is parsed (`parse_body`: JSON, checked strictly, every mistake a BadRequest naming the
-field) and how it becomes SamplingParams. A field the server does not support (tools,
-suffix, best_of, ...) is a 400 naming it, never silently ignored; chat messages may carry any field
+field) and how it becomes SamplingParams. A field the server does not support (suffix,
+best_of, functions, ...) is a 400 naming it, never silently ignored; chat messages may carry any field
 (name, tool_calls, ...): they are passed on to the chat template. `response_format` (OpenAI's)
 and `structured_outputs` (vLLM's) constrain the output (SamplingParams.structured_outputs).
 
@@ -12,7 +12,7 @@ import json
 import re
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -213,8 +213,17 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def as_template_input(self) -> dict:
-        """The message as a chat template takes it: content parts of type "text" joined."""
+        """The message as a chat template takes it: content parts of type "text" joined, and an
+        assistant's tool calls with their arguments as objects (the API sends JSON text; the
+        templates, as transformers documents them, take a dict)."""
         message = self.model_dump(exclude_none=True)
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError:
+                    pass  # (left as the text it is)
         if isinstance(self.content, list):
             parts = []
             for part in self.content:
@@ -225,12 +234,73 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None      # (the arguments are always held to it when a call is required)
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    _tool_parser = PrivateAttr(default=None)  # the server's (--tool-call-parser), set by the endpoint
+
+    def tool_definitions(self) -> list[dict] | None:
+        """The tools as the chat template takes them (OpenAI's shape), None without."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def calls_tools(self) -> bool:
+        """Whether the output is parsed for tool calls: tools given, and tool_choice not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured_constraint(self) -> StructuredOutputsParams | None:
+        """A call that tool_choice requires ("required", or a named function) is enforced by the
+        parser's grammar; otherwise response_format / structured_outputs as for completions."""
+        choice = self.tool_choice
+        if choice is not None and not self.tools:
+            raise BadRequest("tool_choice needs tools", "tool_choice")
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if (self.response_format is not None and self.response_format.type != "text") or self.structured_outputs:
+                raise BadRequest("a required tool call cannot be combined with response_format or "
+                                 "structured_outputs", "tool_choice")
+            functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
+            if isinstance(choice, NamedToolChoice):
+                functions = [f for f in functions if f["name"] == choice.function.name]
+                if not functions:
+                    raise BadRequest(f"tool_choice names the function {choice.function.name!r}, which is not "
+                                     f"among the tools", "tool_choice")
+            try:
+                return StructuredOutputsParams(grammar=self._tool_parser.grammar(
+                    functions, self.parallel_tool_calls and not isinstance(choice, NamedToolChoice)))
+            except Exception as e:  # a parameters schema xgrammar cannot read
+                raise BadRequest(f"tools: a function's parameters are not a JSON schema it can hold a call to: {e}",
+                                 "tools") from e
+        return super().structured_constraint()
 
     prompt_field: ClassVar[str] = "messages"
 
@@ -357,5 +427,6 @@ def inline_schema(model: type[BaseModel]) -> dict:
 
 
 FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions, ResponseFormat,
-                              JsonSchemaFormat, StructuredOutputsRequest)
+                              JsonSchemaFormat, StructuredOutputsRequest, Tool, FunctionDefinition,
+                              NamedToolChoice, NamedFunction)
                for name in m.model_fields} | {"json", "schema"}

@@ -18,9 +18,18 @@ CORPUS = [
 ] * 4
 
 
-# A ChatML template (Qwen's turn markers), for models built with chat_template=True.
+# A ChatML template (Qwen's turn markers), for models built with chat_template=True; with tools,
+# a system turn lists them and calls and results render as Qwen2.5's and Qwen3's templates do.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools>\nCall one with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}<|im_start|>assistant\n"
+    "{% for call in message['tool_calls'] %}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 

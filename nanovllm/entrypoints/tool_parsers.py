@@ -1,0 +1,88 @@
+"""Tool calling's model-side format: how a model writes a call in its text, and the grammar that
+makes it write one (tool_choice "required" or a named function). One class per format, named as
+vLLM's --tool-call-parser; `hermes` is the one Qwen2.5 and Qwen3 templates teach:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A parser turns a finished completion into (content, calls) and, for streaming, says how much of
+a text so far is surely content (held_back: from the first place a call may start).
+"""
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from nanovllm.engine.structured_outputs import json_grammar
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+    def as_api(self, index: int | None = None) -> dict:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+class HermesToolParser:
+    start, end = "<tool_call>", "</tool_call>"
+    CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The text outside the calls (None when nothing is left) and the calls, in order. A block
+        that is not a JSON object with a string `name` (and object `arguments`) stays in the text."""
+        calls, kept, last = [], [], 0
+        for match in self.CALL.finditer(text):
+            call = self._call(match.group(1))
+            if call is None:
+                continue
+            calls.append(call)
+            kept.append(text[last:match.start()])
+            last = match.end()
+        kept.append(text[last:])
+        content = "".join(kept).strip()
+        return (content or None) if calls else (text or None), calls
+
+    @staticmethod
+    def _call(body: str) -> ToolCall | None:
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments) if arguments.strip().startswith("{") else arguments
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def held_back(self, text: str) -> int:
+        """Where in text so far a call may begin (len(text): nowhere yet): the text before is
+        content for sure, the rest waits for the end (a call, or a prefix of the start tag)."""
+        found = text.find(self.start)
+        if found >= 0:
+            return found
+        for n in range(min(len(self.start) - 1, len(text)), 0, -1):  # a tag cut at the end of text
+            if text.endswith(self.start[:n]):
+                return len(text) - n
+        return len(text)
+
+    def grammar(self, tools: list[dict], parallel: bool) -> str:
+        """EBNF for one call of one of these tools (OpenAI's {"name", "parameters"} functions), or
+        several one after another when parallel: the name one of theirs, the arguments valid
+        against its parameters' JSON schema."""
+        schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": tool["name"]},
+                                                                "arguments": tool.get("parameters") or {"type": "object"}},
+                             "required": ["name", "arguments"], "additionalProperties": False} for tool in tools]}
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        return (f"root ::= {calls}\n"
+                f'call ::= "{self.start}\\n" call_json "\\n{self.end}"\n' + json_grammar(schema, root="call_json"))
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser}
