@@ -13,6 +13,7 @@ import sys
 
 from nanovllm.entrypoints.args import add_llm_arguments
 from nanovllm.entrypoints.chat import chat
+from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.utils.logging import configure_logging
 
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default="hermes",
                               help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>, "
                                    "Qwen2.5's and Qwen3's)")
+    serve_parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                              help="return the model's reasoning (qwen3: a <think>...</think> block) as "
+                                   "reasoning_content")
     serve_parser.add_argument("--max-queued-requests", type=int, default=None,
                               help="refuse requests with 503 while this many are waiting (default: no limit)")
     serve_parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,

@@ -44,6 +44,7 @@ from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDe
                                                updates)
 from nanovllm.engine.structured_outputs import import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
+from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                            SamplingRequest, inline_schema, parse_body)
@@ -254,19 +255,26 @@ async def completions(http: Request):
 @v1.post("/chat/completions", **body_of(ChatCompletionRequest))
 async def chat_completions(http: Request):
     body = parse_body(await http.body(), http.headers.get("content-type"), ChatCompletionRequest)
-    body._tool_parser = http.app.state.tool_parser
+    state = http.app.state
+    body._tool_parser = state.tool_parser
+    if state.reasoning_parser is not None and body.structured_constraint() is not None:
+        field = "tool_choice" if body.tool_choice not in (None, "auto", "none") else body.structured_field
+        raise BadRequest(f"{field}: a constrained output cannot be combined with --reasoning-parser yet (the "
+                         "constraint would hold from the first token, not from the end of the reasoning)", field)
     messages = [m.as_template_input() for m in body.messages]
     return await respond(http, body, [ChatPrompt(messages, body.tool_definitions())], body.num_logprobs(),
-                         ChatChoices)
+                         functools.partial(ChatChoices, reasoning_parser=state.reasoning_parser))
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
-              metrics: ServingMetrics | None, max_request_bytes: int, tool_call_parser: str = "hermes") -> Gate:
+              metrics: ServingMetrics | None, max_request_bytes: int, tool_call_parser: str = "hermes",
+              reasoning_parser: str | None = None) -> Gate:
     """What to serve: the FastAPI app (`.app`) serving `engine` under the name
     `served_model_name`, the endpoints above with what they serve in app.state, behind its Gate."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
     app.state.engine, app.state.served_model_name, app.state.metrics = engine, served_model_name, metrics
     app.state.tool_parser = TOOL_PARSERS[tool_call_parser]()
+    app.state.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
     for error, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
     app.include_router(public)
@@ -340,7 +348,7 @@ def unavailable(e: Exception) -> APIError:
 
 
 async def respond(http: Request, body: SamplingRequest, prompts: list, num_logprobs: int | None,
-                  choices: type["Choices"]):
+                  choices: "type[Choices] | functools.partial"):
     """Submit the call's prompts and answer with their choices: a whole response, or a stream."""
     engine, name = http.app.state.engine, http.app.state.served_model_name
     check_model(body, name)
@@ -596,9 +604,11 @@ class ChatChoices(Choices):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     body: ChatCompletionRequest
 
-    def __init__(self, *args):
+    def __init__(self, *args, reasoning_parser=None):
         super().__init__(*args)
+        self.reasoning_parser = reasoning_parser  # the server's (--reasoning-parser), or None
         self._pending: dict[int, str] = {}  # per choice: text held back (a tool call may start there)
+        self._reasoning: dict[int, ReasoningStream] = {}  # per choice: its reasoning / content split
 
     def logprobs(self, token_ids: list[int], entries: list[dict] | None, text_offset: int) -> dict | None:
         if entries is None:
@@ -612,39 +622,49 @@ class ChatChoices(Choices):
     def content(self, text: str) -> dict:
         return {"message": {"role": "assistant", "content": text}}
 
-    def delta(self, text: str, tool_calls: list | None = None) -> dict:
+    def delta(self, text: str, tool_calls: list | None = None, reasoning_content: str | None = None) -> dict:
         delta = {"content": text} if text else {}
+        if reasoning_content:
+            delta["reasoning_content"] = reasoning_content
         if tool_calls:
             delta["tool_calls"] = tool_calls
         return {"delta": delta}
 
     def final(self, text: str, finish_reason: str) -> tuple[dict, str]:
-        """With tools (tool_choice not "none"), the calls the tool parser finds become the
-        message's tool_calls, and a completion that ended there finishes with "tool_calls"."""
-        if not self.body.calls_tools():
-            return self.content(text), finish_reason
-        content, calls = self.body._tool_parser.parse(text)
-        if not calls:
-            return self.content(text), finish_reason
-        message = {"role": "assistant", "content": content, "tool_calls": [call.as_api() for call in calls]}
-        return {"message": message}, "tool_calls" if finish_reason == "stop" else finish_reason
+        """With --reasoning-parser, the reasoning goes to the message's reasoning_content; with
+        tools (tool_choice not "none"), the calls the tool parser finds in the rest become its
+        tool_calls, and a completion that ended there finishes with "tool_calls"."""
+        message = {"role": "assistant", "content": text}
+        if self.reasoning_parser is not None:
+            message["reasoning_content"], message["content"] = self.reasoning_parser.split(text)
+        if self.body.calls_tools():
+            content, calls = self.body._tool_parser.parse(message["content"] or "")
+            if calls:
+                message.update(content=content, tool_calls=[call.as_api() for call in calls])
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"message": message}, finish_reason
 
     def stream_piece(self, c: int, text: str, finished: bool, finish_reason: str | None
                      ) -> tuple[str, dict, str | None]:
-        """Text streams as it comes up to where a tool call may begin (the parser's held_back);
-        the rest waits for the end, then comes as content and `tool_calls` deltas."""
+        """With --reasoning-parser, the reasoning streams as `reasoning_content` deltas (see
+        ReasoningStream). With tools, the content streams up to where a tool call may begin (the
+        parser's held_back); the rest waits for the end, then comes as content and `tool_calls`."""
+        extra = {}
+        if self.reasoning_parser is not None:
+            split = self._reasoning.setdefault(c, ReasoningStream(self.reasoning_parser))
+            extra["reasoning_content"], text = split.push(text, finished)
         if not self.body.calls_tools():
-            return text, {}, finish_reason
+            return text, extra, finish_reason
         parser, pending = self.body._tool_parser, self._pending.get(c, "") + text
         if not finished:
             cut = parser.held_back(pending)
             self._pending[c] = pending[cut:]
-            return pending[:cut], {}, finish_reason
+            return pending[:cut], extra, finish_reason
         self._pending.pop(c, None)
         content, calls = parser.parse(pending)
         if not calls:
-            return pending, {}, finish_reason
-        return (content or "", {"tool_calls": [call.as_api(i) for i, call in enumerate(calls)]},
+            return pending, extra, finish_reason
+        return (content or "", {**extra, "tool_calls": [call.as_api(i) for i, call in enumerate(calls)]},
                 "tool_calls" if finish_reason == "stop" else finish_reason)
 
     def opening(self) -> list[dict]:
@@ -689,7 +709,8 @@ def serve(args) -> int:
     metrics = None if args.no_metrics else ServingMetrics()
     engine = AsyncEngine(llm, args.max_queued_requests, metrics)
     name = args.served_model_name or args.model
-    gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes, args.tool_call_parser)
+    gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes, args.tool_call_parser,
+                     args.reasoning_parser)
     banner = f"nanovllm: serving {name!r} on http://{args.host}:{args.port} (OpenAI API under /v1)"
     server = Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level=args.log_level,
                                    access_log=not args.disable_log_requests, timeout_graceful_shutdown=5),

@@ -1,0 +1,61 @@
+"""Reasoning models write their thinking before the answer; `--reasoning-parser NAME` (vLLM's flag)
+returns it apart, as the message's `reasoning_content` (and `delta.reasoning_content` when
+streaming). One class per format; `qwen3` (also DeepSeek-R1's) is a `<think>...</think>` block
+at the start of the completion:
+
+    <think>
+    The user asks ... </think>
+
+    The answer.
+"""
+
+
+class Qwen3ReasoningParser:
+    start, end = "<think>", "</think>"
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished completion: one that opens with <think> has its
+        reasoning up to </think> (all of it, if it never closes the block); any other is content."""
+        if not text.startswith(self.start):
+            return None, text or None
+        body = text[len(self.start):]
+        if self.end not in body:
+            return body.strip("\n") or None, None
+        reasoning, content = body.split(self.end, 1)
+        return reasoning.strip("\n") or None, content.lstrip("\n") or None
+
+
+class ReasoningStream:
+    """One choice's streamed text split as it comes: push() each delta and get its (reasoning,
+    content) deltas; what may still turn out otherwise (a cut tag, newlines before </think>)
+    waits for the next delta. The deltas add up to split() of the whole text."""
+
+    def __init__(self, parser: Qwen3ReasoningParser):
+        self.parser, self.text, self.sent_reasoning, self.sent_content = parser, "", 0, 0
+
+    def push(self, delta: str, finished: bool) -> tuple[str, str]:
+        self.text += delta
+        if finished:
+            reasoning, content = (part or "" for part in self.parser.split(self.text))
+        else:
+            reasoning, content = self._known()
+        new = reasoning[self.sent_reasoning:], content[self.sent_content:]
+        self.sent_reasoning, self.sent_content = len(reasoning), len(content)
+        return new
+
+    def _known(self) -> tuple[str, str]:
+        """The reasoning and content that split() of any continuation of the text starts with."""
+        p, text = self.parser, self.text
+        if p.start.startswith(text):
+            return "", ""  # (it may be opening a block)
+        if not text.startswith(p.start):
+            return "", text
+        body = text[len(p.start):]
+        if p.end in body:
+            reasoning, content = body.split(p.end, 1)
+            return reasoning.strip("\n"), content.lstrip("\n")
+        cut = next((n for n in range(min(len(p.end) - 1, len(body)), 0, -1) if body.endswith(p.end[:n])), 0)
+        return body[:len(body) - cut].strip("\n"), ""
+
+
+REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}

@@ -1,0 +1,81 @@
+"""--reasoning-parser qwen3: a completion's <think>...</think> block returned as the message's
+reasoning_content (delta.reasoning_content when streaming, the deltas adding up to the whole,
+however the text is cut), with tool calls parsed from the rest; a server that has it serves
+plain answers unchanged and refuses constrained outputs beside it, with a 400."""
+import random
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+
+from nanovllm.entrypoints.api_server import ChatChoices  # noqa: E402
+from nanovllm.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
+from nanovllm.entrypoints.reasoning_parsers import Qwen3ReasoningParser, ReasoningStream  # noqa: E402
+from nanovllm.entrypoints.tool_parsers import HermesToolParser  # noqa: E402
+from nanovllm.utils.tiny_model import build_model  # noqa: E402
+from serving import KEY, error_of, http, module_server  # noqa: E402
+
+TEXTS = ["<think>\nThe user wants a number.\n\n</think>\n\n42.", "<think>never closed", "plain answer",
+         "<thi", "<think></think>x", "<think>a</thinkless</think>b", "\n<think>not at the start</think>"]
+
+
+def test_split():
+    p = Qwen3ReasoningParser()
+    assert p.split(TEXTS[0]) == ("The user wants a number.", "42.")
+    assert p.split(TEXTS[1]) == ("never closed", None)
+    assert p.split(TEXTS[2]) == (None, "plain answer")
+    assert p.split(TEXTS[4]) == (None, "x")
+    assert p.split(TEXTS[5]) == ("a</thinkless", "b")
+    assert p.split(TEXTS[6]) == (None, TEXTS[6])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_deltas_add_up_to_the_split_however_cut(text):
+    rng, parser = random.Random(0), Qwen3ReasoningParser()
+    expected = tuple(part or "" for part in parser.split(text))
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(rng.randint(0, 6), len(text) - 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream, got = ReasoningStream(parser), ["", ""]
+        for i, piece in enumerate(pieces):
+            reasoning, content = stream.push(piece, i == len(pieces) - 1)
+            got[0] += reasoning
+            got[1] += content
+        assert tuple(got) == expected, pieces
+
+
+def choices(**body) -> ChatChoices:
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    request._tool_parser = HermesToolParser()
+    return ChatChoices([], request, "m", None, reasoning_parser=Qwen3ReasoningParser())
+
+
+def test_reasoning_and_tool_calls_in_one_message():
+    text = '<think>I should call it.</think>\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    content, reason = choices(tools=tools).final(text, "stop")
+    message = content["message"]
+    assert message["reasoning_content"] == "I should call it." and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'} and reason == "tool_calls"
+    streamed = choices(tools=tools)
+    deltas = [streamed.stream_piece(0, piece, i == 3, "stop" if i == 3 else None)
+              for i, piece in enumerate([text[:10], text[10:30], text[30:60], text[60:]])]
+    assert "".join(d[1].get("reasoning_content", "") for d in deltas) == "I should call it."
+    assert "".join(d[0] for d in deltas) == "" and deltas[-1][2] == "tool_calls"
+    assert deltas[-1][1]["tool_calls"][0]["function"]["name"] == "f"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = build_model(str(tmp_path_factory.mktemp("reasoning")), chat_template=True)
+    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--reasoning-parser", "qwen3",
+                             max_model_len=512)
+
+
+def test_a_server_with_the_parser(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+    out = http(server, "POST", "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert out["content"] and out.get("reasoning_content") is None  # (random weights write no <think>)
+    error = error_of(http(server, "POST", "/v1/chat/completions",
+                          json={**body, "response_format": {"type": "json_object"}}), 400)
+    assert error["param"] == "response_format" and "--reasoning-parser" in error["message"]
