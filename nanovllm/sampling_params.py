@@ -14,6 +14,8 @@ class StructuredOutputsParams:
     choice: the completion is one of these strings.
     grammar: the completion is derived from this EBNF grammar (xgrammar's GBNF dialect, rule `root`).
     json_object: the completion is any JSON object.
+    reasoning: (start, end) tags of a reasoning block the completion may open with, written freely;
+        the constraint holds after it (a reasoning model's answer).
     Decoding is constrained token by token (engine/structured_outputs.py), so the text is valid
     by construction unless max_tokens cuts it short (finish_reason "length")."""
     json: dict | str | None = None
@@ -21,6 +23,7 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning: tuple[str, str] | None = None
 
     def __post_init__(self):
         given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
@@ -49,6 +52,11 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool):
             raise TypeError(f"StructuredOutputsParams.json_object must be a bool, got {self.json_object!r}")
+        if self.reasoning is not None:
+            if (not isinstance(self.reasoning, (tuple, list)) or len(self.reasoning) != 2
+                    or not all(isinstance(tag, str) and tag for tag in self.reasoning)):
+                raise TypeError(f"StructuredOutputsParams.reasoning must be (start tag, end tag), got {self.reasoning!r}")
+            object.__setattr__(self, "reasoning", tuple(self.reasoning))
 
     @property
     def kind(self) -> str:

@@ -1,8 +1,11 @@
 """--reasoning-parser qwen3: a completion's <think>...</think> block returned as the message's
 reasoning_content (delta.reasoning_content when streaming, the deltas adding up to the whole,
 however the text is cut), with tool calls parsed from the rest; a server that has it serves
-plain answers unchanged and refuses constrained outputs beside it, with a 400."""
+plain answers unchanged, and holds a constrained output (response_format, a required tool call)
+after the reasoning block, which the grammar lets the model write freely."""
+import json
 import random
+import tempfile
 
 import pytest
 
@@ -12,7 +15,7 @@ from nanovllm.entrypoints.api_server import ChatChoices  # noqa: E402
 from nanovllm.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
 from nanovllm.entrypoints.reasoning_parsers import Qwen3ReasoningParser, ReasoningStream  # noqa: E402
 from nanovllm.entrypoints.tool_parsers import HermesToolParser  # noqa: E402
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
+from nanovllm.utils.tiny_model import build_model, build_tokenizer  # noqa: E402
 from serving import KEY, error_of, http, module_server  # noqa: E402
 
 TEXTS = ["<think>\nThe user wants a number.\n\n</think>\n\n42.", "<think>never closed", "plain answer",
@@ -76,6 +79,38 @@ def test_a_server_with_the_parser(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
     out = http(server, "POST", "/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert out["content"] and out.get("reasoning_content") is None  # (random weights write no <think>)
-    error = error_of(http(server, "POST", "/v1/chat/completions",
-                          json={**body, "response_format": {"type": "json_object"}}), 400)
-    assert error["param"] == "response_format" and "--reasoning-parser" in error["message"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    thinking = http(server, "POST", "/v1/chat/completions", json={**body, "max_tokens": 30,
+                                                                 "response_format": response_format})
+    message = thinking.json()["choices"][0]["message"]  # (greedy, this model opens a reasoning block)
+    assert message["reasoning_content"] and message["content"] is None
+    # with "<" banned it cannot open one: the answer is the constrained JSON from the first token
+    less_than = build_tokenizer(tempfile.mkdtemp()).convert_tokens_to_ids("<")
+    direct = http(server, "POST", "/v1/chat/completions", json={
+        **body, "max_tokens": 60, "response_format": response_format, "logit_bias": {str(less_than): -100}})
+    choice = direct.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) == {"n"}
+
+
+def test_a_constraint_holds_after_the_reasoning_block():
+    """StructuredOutputsParams(reasoning=(start, end)): an optional reasoning block of any text
+    without the end tag, then the constrained answer (what --reasoning-parser asks for)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from nanovllm import StructuredOutputsParams
+    from nanovllm.engine.structured_outputs import Grammars
+    tokenizer = AutoTokenizer.from_pretrained(build_model(tempfile.mkdtemp()))
+    grammars = Grammars(tokenizer, 512, {tokenizer.eos_token_id})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compiled = grammars.compile(StructuredOutputsParams(json=schema, reasoning=("<think>", "</think>")))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+    assert accepts('<think>Let me see: </thinker> is not the end, nor is < / think.</think>\n\n{"a": 1}')
+    assert accepts('{"a": 2}') and accepts('<think></think>{"a": 3}')
+    assert not accepts('<think>x</think>free text') and not accepts('<think>x</think>{"a": 1}</think>')
+    assert not accepts("<think>never closed") and not accepts('{"b": 1}')

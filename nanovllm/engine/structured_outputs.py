@@ -19,7 +19,8 @@ sampled token to its matcher and ends the sequence once the grammar is complete 
 its stop token. A constrained sequence runs only when its last token is on the host (its mask
 depends on it): under overlap scheduling it skips the step planned while its token is in flight,
 so it decodes every other step while unconstrained sequences beside it keep every step; and it
-never drafts (speculative decoding).
+never drafts (speculative decoding). StructuredOutputsParams.reasoning puts a free reasoning
+block before the constrained part (reasoning_grammar), for a server's --reasoning-parser.
 """
 import json
 import re
@@ -94,15 +95,19 @@ class Grammars:
         return compiled
 
     def _compile(self, params: StructuredOutputsParams):
-        kind, c = params.kind, self.compiler
+        kind, Grammar = params.kind, self.xgr.Grammar
         try:
             if kind in ("json", "json_object"):
-                return c.compile_grammar(json_grammar(params.json or '{"type": "object"}'))
-            if kind == "regex":
-                return c.compile_regex(params.regex)
-            if kind == "choice":  # one string literal per choice (JSON escapes are GBNF's)
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice) for choice in params.choice))
-            return c.compile_grammar(params.grammar)
+                grammar = Grammar.from_ebnf(json_grammar(params.json or '{"type": "object"}'))
+            elif kind == "regex":
+                grammar = Grammar.from_regex(params.regex)
+            elif kind == "choice":  # one string literal per choice (JSON escapes are GBNF's)
+                grammar = Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(choice) for choice in params.choice))
+            else:
+                grammar = Grammar.from_ebnf(params.grammar)
+            if params.reasoning is not None:  # a free reasoning block first, then the constraint
+                grammar = Grammar.concat(Grammar.from_ebnf(reasoning_grammar(*params.reasoning)), grammar)
+            return self.compiler.compile_grammar(grammar)
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
                              f"{str(e).strip().splitlines()[-1]}") from e
@@ -126,6 +131,31 @@ def json_grammar(schema: str | dict, root: str = "root") -> str:
     for old, new in JSON_PATCHES:
         grammar = grammar.replace(old, new)
     return grammar if root == "root" else re.sub(r"\broot\b", root, grammar)
+
+
+def reasoning_grammar(start: str, end: str) -> str:
+    """EBNF of an optional reasoning block: start, any text that does not hold end, end, then
+    spaces or newlines. "Text without end" is the automaton of the search for end (KMP): state
+    s_k has matched end's first k characters; a character of end moves to the longest prefix of
+    end that the text so far ends with, any other back to s_0, and none may complete end."""
+    def literal(c):
+        return json.dumps(c)
+
+    def char_class(chars):
+        return "".join("\\" + c if c in "\\]^-" else c for c in sorted(chars))
+
+    def next_state(k: int, c: str) -> int:
+        text = end[:k] + c
+        return next(n for n in range(min(len(text), len(end)), -1, -1) if text.endswith(end[:n]))
+    rules = [f"root ::= ({literal(start)} s0 {literal(end)} [ \\n]*)?"]
+    for k in range(len(end)):
+        alternatives = ['""', f"[^{char_class(set(end))}] s0"]
+        for c in sorted(set(end)):
+            n = next_state(k, c)
+            if n < len(end):
+                alternatives.append(f"{literal(c)} s{n}")
+        rules.append(f"s{k} ::= " + " | ".join(alternatives))
+    return "\n".join(rules)
 
 
 DESCRIPTIONS = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",

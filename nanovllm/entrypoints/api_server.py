@@ -257,10 +257,7 @@ async def chat_completions(http: Request):
     body = parse_body(await http.body(), http.headers.get("content-type"), ChatCompletionRequest)
     state = http.app.state
     body._tool_parser = state.tool_parser
-    if state.reasoning_parser is not None and body.structured_constraint() is not None:
-        field = "tool_choice" if body.tool_choice not in (None, "auto", "none") else body.structured_field
-        raise BadRequest(f"{field}: a constrained output cannot be combined with --reasoning-parser yet (the "
-                         "constraint would hold from the first token, not from the end of the reasoning)", field)
+    body._reasoning_tags = (state.reasoning_parser.start, state.reasoning_parser.end) if state.reasoning_parser else None
     messages = [m.as_template_input() for m in body.messages]
     return await respond(http, body, [ChatPrompt(messages, body.tool_definitions())], body.num_logprobs(),
                          functools.partial(ChatChoices, reasoning_parser=state.reasoning_parser))

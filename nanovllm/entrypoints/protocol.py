@@ -8,6 +8,7 @@ and `structured_outputs` (vLLM's) constrain the output (SamplingParams.structure
 Types are strict, as the API's schema says: `"max_tokens": "5"` or a token id `false` is refused,
 not coerced (an int where a float is expected is fine).
 """
+import dataclasses
 import json
 import re
 from typing import ClassVar, Literal
@@ -91,6 +92,7 @@ class SamplingRequest(BaseModel):
 
     # the names of this endpoint's fields, for errors (chat overrides them)
     prompt_field: ClassVar[str] = "prompt"
+    _reasoning_tags = PrivateAttr(default=None)  # (start, end) of the server's --reasoning-parser, for chat
 
     @property
     def max_tokens_field(self) -> str:
@@ -118,6 +120,8 @@ class SamplingRequest(BaseModel):
                                                           "frequency_penalty", "repetition_penalty")
                  if getattr(self, name) is not None}
         constraint = self.structured_constraint()
+        if constraint is not None and self._reasoning_tags is not None:  # (--reasoning-parser: after the reasoning)
+            constraint = dataclasses.replace(constraint, reasoning=self._reasoning_tags)
         logit_bias = None
         if self.logit_bias is not None:
             try:
