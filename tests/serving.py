@@ -76,6 +76,20 @@ def module_server(model: str, tmp_path_factory, *flags: str, max_model_len: int)
     assert server.stop() == 0, server.log()
 
 
+def chat_server(tmp_path_factory, name: str, *flags: str, max_model_len: int = 1024):
+    """module_server() of a tiny chat model (ChatML template, tools included) served as `name`
+    behind KEY, for the API-feature test modules."""
+    from nanovllm.utils.tiny_model import build_model
+    model = build_model(str(tmp_path_factory.mktemp(name)), chat_template=True)
+    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--served-model-name", name, *flags,
+                             max_model_len=max_model_len)
+
+
+def openai_client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
 def http(server, method: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     return httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)

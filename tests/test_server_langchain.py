@@ -10,8 +10,7 @@ pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 's
 langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is not installed")
 pydantic = pytest.importorskip("pydantic")
 
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import KEY, module_server  # noqa: E402
+from serving import KEY, chat_server  # noqa: E402
 
 NAME = "tiny-langchain"
 
@@ -24,9 +23,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = build_model(str(tmp_path_factory.mktemp("langchain")), chat_template=True)
-    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--served-model-name", NAME,
-                             max_model_len=1024)
+    yield from chat_server(tmp_path_factory, NAME)
 
 
 @pytest.fixture(scope="module")

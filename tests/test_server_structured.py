@@ -10,11 +10,10 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 'structured' extra)")
-openai = pytest.importorskip("openai", reason="the openai client is not installed")
+pytest.importorskip("openai", reason="the openai client is not installed")
 pydantic = pytest.importorskip("pydantic")
 
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import KEY, error_of, http, module_server  # noqa: E402
+from serving import chat_server, error_of, http, openai_client  # noqa: E402
 
 NAME = "tiny-structured"
 MESSAGES = [{"role": "user", "content": "Give me a person as JSON."}]
@@ -22,14 +21,12 @@ MESSAGES = [{"role": "user", "content": "Give me a person as JSON."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = build_model(str(tmp_path_factory.mktemp("structured")), chat_template=True)
-    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--served-model-name", NAME,
-                             max_model_len=1024)
+    yield from chat_server(tmp_path_factory, NAME)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server)
 
 
 class Person(pydantic.BaseModel):

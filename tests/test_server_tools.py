@@ -9,12 +9,11 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 pytest.importorskip("xgrammar", reason="tool_choice required needs xgrammar (the 'structured' extra)")
-openai = pytest.importorskip("openai", reason="the openai client is not installed")
+pytest.importorskip("openai", reason="the openai client is not installed")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanovllm.entrypoints.tool_parsers import HermesToolParser  # noqa: E402
-from nanovllm.utils.tiny_model import build_model  # noqa: E402
-from serving import KEY, error_of, http, module_server  # noqa: E402
+from serving import chat_server, error_of, http, openai_client  # noqa: E402
 
 NAME = "tiny-tools"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -31,14 +30,12 @@ SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = build_model(str(tmp_path_factory.mktemp("tools")), chat_template=True)
-    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--served-model-name", NAME,
-                             max_model_len=1024)
+    yield from chat_server(tmp_path_factory, NAME)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server)
 
 
 def check_calls(calls, allowed=SCHEMAS):
