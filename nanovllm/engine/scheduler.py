@@ -49,6 +49,7 @@ class ScheduledStep:
     num_draft_tokens: int = 0                             # their sum: > 0 in a speculative step
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
+    constrained: bool = False  # some sequence has a grammar (structured outputs): complete() feeds it
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
@@ -158,8 +159,10 @@ class Scheduler:
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            if constrained and seq.matcher is not None and num_tokens != len(seq.token_ids):
-                continue  # its grammar's next mask needs the token in flight (structured outputs)
+            if constrained and seq.matcher is not None:
+                if num_tokens != len(seq.token_ids):
+                    continue  # its grammar's next mask needs the token in flight (structured outputs)
+                step.constrained = True
             num_drafts, draft_ids = (self._drafts(seq) if draft and self.speculative and num_tokens - start == 1
                                      else (0, None))
             if num_drafts and 1 + num_drafts > budget:
@@ -309,7 +312,7 @@ class Scheduler:
             return self._complete_verified(step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         self._append(seqs, tokens, logprobs)
-        if self.batch_state.num_constrained:
+        if step.constrained:  # (the step's own flag: a sequence preempted since still gets its token)
             self._advance_grammars(seqs, tokens)
         self._finish_stopped(seqs, tokens)
         return seqs
