@@ -75,8 +75,9 @@ def parse(text: str):
 
 
 def test_length_bounded_strings_are_json_strings(llm):
-    """xgrammar's rule for a string with maxLength admits raw control characters (invalid JSON)
-    and no escapes; the engine patches it to JSON's: many sampled bounded strings all parse."""
+    """xgrammar's rule for a string with maxLength admits raw control characters (invalid JSON),
+    and every string's UTF-16 surrogates (invalid UTF-8); the engine patches both: many sampled
+    bounded strings all parse strictly, their lengths within the bound."""
     schema = {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 1}
     outs = llm.generate([PROMPT] * 40, [constrained("json", schema, temperature=1.0, seed=i) for i in range(40)],
                         use_tqdm=False)
@@ -232,3 +233,23 @@ def test_the_same_schema_compiles_once(llm, monkeypatch):
     first = llm.compile_grammar(constrained("json", schema))
     again = [llm.compile_grammar(constrained("json", json.loads(json.dumps(schema)))) for _ in range(5)]
     assert len(calls) == 1 and all(g is first for g in again)
+
+
+def test_constrained_rows_decode_every_step_under_overlap(model_dir):
+    """Overlap scheduling launches step N+1's forward before N's tokens are in; a constrained row's
+    mask needs them, so that step's sampling waits for N to be accounted for (as SGLang does):
+    constrained requests beside free ones take as many steps as free ones alone."""
+    schema = {"type": "string", "minLength": 24, "maxLength": 24}
+    constrained_params = constrained("json", schema, temperature=1.0, max_tokens=24, ignore_eos=True)
+    free = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+
+    def steps(params) -> int:
+        with LLM(model_dir, max_model_len=MAX_LEN, max_num_seqs=16) as llm:
+            for i, p in enumerate(params):
+                llm.add_request([i + 1, 2, 3], p)
+            count = 0
+            while not llm.is_finished():
+                llm.step()
+                count += 1
+            return count
+    assert steps([constrained_params, free] * 8) == steps([free] * 16)

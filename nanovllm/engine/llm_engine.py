@@ -49,9 +49,11 @@ def load_tokenizer(path: str):
 
 @dataclass
 class InFlightStep:
-    """A step launched on the device and not yet accounted for."""
+    """A step launched on the device and not yet accounted for; `deferred` until its sampling is
+    queued too (its grammar masks wait for the step before: LLMEngine.step)."""
     step: ScheduledStep
-    sampled: SampledTokens
+    sampled: SampledTokens | None
+    deferred: tuple | None = None  # (DeferredSampling, SamplingInputs)
 
 
 class PromptTooLong(ValueError):
@@ -263,7 +265,8 @@ class LLMEngine:
         for them. Overlapped (the default): schedule and launch step N+1, then account for step N
         while N+1 runs, so the device never waits for the host's bookkeeping. N+1 takes N's tokens
         from the device's token table, and so it may run a sequence that N turns out to have
-        finished: complete() drops that token.
+        finished: complete() drops that token. A step whose grammar masks need N's tokens
+        (structured outputs) has its sampling queued once N is accounted for.
         """
         launched = done = self._launch()
         if self.overlap:  # the one difference between the two loops
@@ -278,8 +281,8 @@ class LLMEngine:
         if done.sampled.prompt_logprobs:
             self._collect_prompt_logprobs(done)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
-        if self.overlap and launched is None:  # nothing could run beside `done` (constrained rows
-            self.in_flight = self._launch()    # wait for their tokens): the next step starts now
+        if launched is not None and launched.deferred is not None:  # its masks can be built now
+            self._sample_deferred(launched)
         self._deliver(updated)
         if self.recorder is not None:
             self.recorder.step_accounted(done, self, tokens)
@@ -308,9 +311,24 @@ class LLMEngine:
         batch = step.batch()
         sampling = self.scheduler.sampling_inputs(step, batch)
         if sampling.matchers:  # structured outputs: the tokens each constrained row's grammar allows
+            if self.overlap and any(step.sampling[i].num_tokens - len(step.sampling[i].token_ids) > 1
+                                    for i, _ in sampling.matchers):  # (no speculation: a row per sequence)
+                # a grammar still waits for the token of the step in flight: sample once it is in
+                # (overlap scheduling; the forward runs meanwhile), as SGLang does
+                return InFlightStep(step, None, (self.model_runner.launch(batch, sampling, defer_sampling=True),
+                                                 sampling))
             sampling.bitmask = self.grammars.fill_bitmask(sampling.matchers)
         sampled = self.model_runner.launch(batch, sampling)
         return InFlightStep(step, sampled)
+
+    def _sample_deferred(self, launched: InFlightStep):
+        """Queue a deferred step's sampling, its grammars having taken the tokens before. A
+        grammar that ended there (its sequence finished: this step's token is dropped) is skipped."""
+        deferred, sampling = launched.deferred
+        live = [(i, m) for i, m in sampling.matchers if not m.is_terminated()]
+        if live:
+            sampling.bitmask = self.grammars.fill_bitmask(live)
+        launched.sampled, launched.deferred = self.model_runner.sample(deferred, sampling), None
 
     def _deliver(self, updated: list[Sequence]):
         """The text of each sequence that got a token (where text is wanted: it may end at a stop

@@ -152,6 +152,15 @@ class VerifiedTokens:
 
 
 @dataclass
+class DeferredSampling:
+    """A step whose forward is launched and whose sampling is not yet (ModelRunner.sample)."""
+    batch: StepBatch
+    logits: torch.Tensor | None
+    inputs: "StepInputs"
+    draft_probs: torch.Tensor | None
+
+
+@dataclass
 class StepLayout:
     """A step's host arrays, as ModelRunner._layout() builds them."""
     parts: dict[str, np.ndarray]  # what goes to the device: rows, positions [T]; cu_q, lens_k, ...
@@ -358,9 +367,12 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, batch: StepBatch, sampling: SamplingInputs) -> SampledTokens:
+    def launch(self, batch: StepBatch, sampling: SamplingInputs, defer_sampling: bool = False
+               ) -> "SampledTokens | DeferredSampling":
         """Start one step (rank 0) and return without waiting for the device: the sampled tokens
-        come back through the returned handle (and are in the token table for the next step)."""
+        come back through the returned handle (and are in the token table for the next step).
+        defer_sampling: only the forward now; sample() queues the sampling later (structured
+        outputs: a mask that needs the tokens of the step before)."""
         if self.group is not None and self.workers is None:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
         if self.workers is not None:
@@ -378,9 +390,17 @@ class ModelRunner:
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
+        if defer_sampling:
+            return DeferredSampling(batch, logits, inputs, draft_probs)
+        return self.sample(DeferredSampling(batch, logits, inputs, draft_probs), sampling)
+
+    @torch.inference_mode()
+    def sample(self, step: "DeferredSampling", sampling: SamplingInputs) -> SampledTokens:
+        """Queue a launched step's sampling (rank 0), after its forward."""
+        batch, logits, inputs = step.batch, step.logits, step.inputs
         out = SampledTokens()
         if logits is not None and batch.num_drafts is not None:
-            out = self._verify(batch, logits, sampling, draft_probs)
+            out = self._verify(batch, logits, sampling, step.draft_probs)
         elif logits is not None:
             tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)

@@ -160,9 +160,7 @@ class Scheduler:
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
             if constrained and seq.matcher is not None:
-                if num_tokens != len(seq.token_ids):
-                    continue  # its grammar's next mask needs the token in flight (structured outputs)
-                step.constrained = True
+                step.constrained = True  # (its mask waits for its token: LLMEngine._launch)
             num_drafts, draft_ids = (self._drafts(seq) if draft and self.speculative and num_tokens - start == 1
                                      else (0, None))
             if num_drafts and 1 + num_drafts > budget:
