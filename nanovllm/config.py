@@ -4,6 +4,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from huggingface_hub import snapshot_download
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.engine.ngram_proposer import NgramProposer
@@ -33,7 +34,6 @@ def resolve_model(name, what: str = "model") -> str:
         return name
     if os.path.isabs(name) or name.startswith(".") or not REPO_ID.fullmatch(name):
         raise ValueError(f"{what} folder {name!r} does not exist")
-    from huggingface_hub import snapshot_download
     try:
         return snapshot_download(name, allow_patterns=HUB_FILES)
     except Exception as online:  # no network, an unknown repository, a gated one: try the cache alone

@@ -117,19 +117,20 @@ class DraftModel:
             q = torch.zeros(int((per_sample + 1).sum()), self.vocab_size, device=self.runner.device)
         for j in range(1, int(counts.max()) + 1):
             drawing = counts >= j  # (the same sequences as the logits' rows, in order)
-            tokens = self._draw(logits, sampling, first_rows[drawing] + j - 1, q)
-            rows_d = torch.from_numpy(rows[drawing].astype(np.int64)).to(self.runner.device)
-            positions = torch.from_numpy(last[drawing] + j).to(self.runner.device)
-            self.runner.token_table[rows_d, positions] = tokens.to(torch.int32)
+            d = self.runner.upload({"rows": rows[drawing], "positions": last[drawing] + j,
+                                    "target_rows": first_rows[drawing] + j - 1})
+            tokens = self._draw(logits, sampling, first_rows[drawing] + j - 1, d["target_rows"], q)
+            self.runner.token_table[d["rows"], d["positions"]] = tokens.to(torch.int32)
             step = StepBatch(rows[drawing], (last[drawing] + j).astype(np.int32),
                              np.ones(int(drawing.sum()), dtype=np.int32), counts[drawing] > j)
             logits, _ = run(step, self.model, self.graphs)
         return q
 
     def _draw(self, logits: torch.Tensor, sampling: SamplingInputs, target_rows: np.ndarray,
-              q: torch.Tensor | None) -> torch.Tensor:
+              target_rows_d: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         """One draft per logits row, drawn with the sampling inputs of the target rows that will
-        verify it; its distribution goes into q at those rows."""
+        verify it (target_rows; target_rows_d, the same on the device); its distribution goes
+        into q at those rows."""
         vocab = self.vocab_size
         logits = logits[:, :vocab]
         if logits.shape[1] < vocab:  # (a draft whose embedding table is padded less: q is 0 past it)
@@ -141,5 +142,5 @@ class DraftModel:
             return argmax
         probs = probs / probs.sum(-1, keepdim=True)
         drawn = sample_from(probs, uniform_per_row(sbatch.seeds ^ DRAFT_SALT, sbatch.positions))
-        q[torch.from_numpy(target_rows).to(q.device)] = probs
+        q[target_rows_d] = probs
         return torch.where(sbatch.temperatures > 0, drawn, argmax)
