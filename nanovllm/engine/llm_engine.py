@@ -505,7 +505,7 @@ class LLMEngine:
                   "finished": seq.is_finished}
         if seq.logprobs is not None:
             update["logprobs"] = seq.logprobs[first:first + len(new_ids)]
-        if seq.prompt_logprobs is not None and first == 0:  # (complete once the first token is in)
+        if first == 0 and seq.prompt_logprobs is not None:  # (complete once the first token is in)
             update["prompt_logprobs"] = seq.prompt_logprobs
         if seq.is_finished:
             update.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,

@@ -312,7 +312,7 @@ class Scheduler:
         self._append(seqs, tokens, logprobs)
         if step.constrained:  # (the step's own flag: a sequence preempted since still gets its token)
             self._advance_grammars(seqs, tokens)
-        self._finish_stopped(seqs, tokens)
+        self._finish_stopped(seqs, tokens, step.constrained)
         return seqs
 
     def _complete_verified(self, step: ScheduledStep, emitted: list[list[int]],
@@ -401,11 +401,13 @@ class Scheduler:
                              seq.seq_id, token)
                 seq.matcher = REFUSED
 
-    def _finish_stopped(self, seqs: list[Sequence], tokens: list[int]):
-        """Finish the sequences that sampled a stop token or reached their length limit."""
+    def _finish_stopped(self, seqs: list[Sequence], tokens: list[int], constrained: bool):
+        """Finish the sequences that sampled a stop token or reached their length limit, or (in a
+        step with constrained sequences) whose grammar is complete."""
         stopped = [seq for seq, token in zip(seqs, tokens)
                    if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
-                       or (seq.matcher is not None and seq.matcher.is_terminated())) and self._stops(seq, token)]
+                       or (constrained and seq.matcher is not None and seq.matcher.is_terminated()))
+                   and self._stops(seq, token)]
         for seq in stopped:
             if seq.status is SequenceStatus.WAITING:  # preempted while its last token was in flight
                 self.waiting.remove(seq)
