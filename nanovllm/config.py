@@ -9,6 +9,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.layers.backends import resolve_backend
+from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.models import resolve_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -152,7 +153,9 @@ class Config:
     attention_backend: str | None = None
     load_format: str = "auto"
     speculative_config: dict | str | None = None
+    quantization: str | None = None
     speculative: SpeculativeConfig | None = field(init=False, default=None)
+    quant_config: QuantizationConfig | None = field(init=False, default=None)
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: set[int] = field(init=False, repr=False)
@@ -207,6 +210,7 @@ class Config:
             read_generation_config(self.model).get("eos_token_id"), GENERATION_CONFIG)
         # ValueError for an unsupported architecture or option (a sliding window < max_model_len)
         resolve_model_class(self.hf_config, self.max_model_len)
+        self.quant_config = QuantizationConfig.resolve(self.quantization, self.hf_config)
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.draft_hf_config = self.speculative.draft_hf_config(self.hf_config, self.max_model_len)
 

@@ -30,6 +30,10 @@ class LLM(LLMEngine):
         sequence proposes up to k draft tokens, and one forward of the target checks them all
         (layers/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
         target's distribution. Speculative steps run synchronously.
+    quantization: "fp8" quantizes the linear layers' weights at load (per output channel; a
+        bf16/fp32 checkpoint); None reads the checkpoint's config.json (block-quantized FP8 and
+        AWQ int4 checkpoints load as they are; "fp8" or "awq" may then name the same method).
+        Embeddings, norms, MoE routers and the LM head stay unquantized (layers/quantization).
     """
 
     def __init__(self, model: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
@@ -38,7 +42,7 @@ class LLM(LLMEngine):
                  gpu_memory_utilization: float = 0.9, kvcache_block_size: int | None = None,
                  num_kvcache_blocks: int | None = None, enable_prefix_caching: bool = True,
                  async_scheduling: bool = True, attention_backend: str | None = None, load_format: str = "auto",
-                 speculative_config: dict | str | None = None):
+                 speculative_config: dict | str | None = None, quantization: str | None = None):
         super().__init__(Config(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -46,4 +50,4 @@ class LLM(LLMEngine):
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             attention_backend=attention_backend, load_format=load_format,
-            speculative_config=speculative_config))
+            speculative_config=speculative_config, quantization=quantization))

@@ -29,6 +29,7 @@ from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
+from nanovllm.layers.quantization import QuantizationConfig, quantization_scope
 from nanovllm.layers.rejection_sampler import DRAFT_SALT, target_probs
 from nanovllm.layers.sampler import sample_from, uniform_per_row
 from nanovllm.models import resolve_model_class
@@ -62,7 +63,9 @@ class DraftModel:
     def __init__(self, config: Config, runner: "ModelRunner"):
         self.config, self.runner = config, runner
         hf_config = config.draft_hf_config
-        with default_dtype_and_device(config.dtype, runner.device), tensor_parallel(None):  # (unsharded)
+        # (unsharded; quantized as its own config.json says, if it does)
+        with default_dtype_and_device(config.dtype, runner.device), tensor_parallel(None), \
+                quantization_scope(QuantizationConfig.resolve(None, hf_config)):
             self.model = resolve_model_class(hf_config, config.max_model_len)(hf_config, config.max_model_len)
         if config.load_format == "dummy":
             load_dummy(self.model)

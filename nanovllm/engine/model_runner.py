@@ -13,6 +13,7 @@ from nanovllm.engine.draft_model import DraftModel
 from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
+from nanovllm.layers.quantization import quantization_scope
 from nanovllm.layers.rejection_sampler import target_probs, verify
 from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
@@ -220,7 +221,8 @@ class ModelRunner:
         else:
             self.device = torch.device("cpu")
         model_class = resolve_model_class(config.hf_config, config.max_model_len)
-        with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group):
+        with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group), \
+                quantization_scope(config.quant_config):
             self.model = model_class(config.hf_config, config.max_model_len)
         start = perf_counter()
         if config.load_format == "dummy":

@@ -75,13 +75,16 @@ def check_decoder_config(config: PretrainedConfig, max_model_len: int | None):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, flags: DecoderFlags):
+    """prefix: the module's name (model.layers.N.self_attn), for its layers' quantization."""
+
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, flags: DecoderFlags, prefix: str):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          num_kv_heads_of(config), bias=flags.qkv_bias)
+                                          num_kv_heads_of(config), bias=flags.qkv_bias, prefix=f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=flags.o_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=flags.o_bias,
+                                        prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps) if flags.qk_norm else None
@@ -101,10 +104,11 @@ class DecoderAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up in one GEMM."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, prefix: str):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,9 +116,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, flags: DecoderFlags, mlp: nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, flags: DecoderFlags, mlp: nn.Module,
+                 prefix: str):
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary_emb, flags)
+        self.self_attn = DecoderAttention(config, rotary_emb, flags, f"{prefix}.self_attn")
         self.mlp = mlp  # a GatedMLP, or a mixture of experts
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -135,8 +140,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one cos/sin table for all layers (they all rotate alike); a buffer, so no checkpoint name
         rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, flags, build_mlp(config, i, flags))
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, flags, build_mlp(config, i, flags),
+                                                 f"model.layers.{i}") for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -171,7 +176,7 @@ class DecoderForCausalLM(nn.Module):
 
     @staticmethod
     def build_mlp(config: PretrainedConfig, layer_index: int, flags: DecoderFlags) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias)
+        return GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias, f"model.layers.{layer_index}.mlp")
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
         """Where checkpoint tensor `name` goes: (our parameter's name, shard id or None). A name

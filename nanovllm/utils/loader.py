@@ -13,6 +13,9 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 # Dummy weights: small uniform values keep activations finite through any depth; throughput does
 # not depend on the values.
 DUMMY_WEIGHT_RANGE = 1e-3
+# Quantized dummy weights: scales that map random codes (fp8 in [-1, 1]; int4 codes minus zero
+# points in [-15, 15]) to about the same range.
+DUMMY_SCALES = {"weight_scale_inv": DUMMY_WEIGHT_RANGE, "scales": DUMMY_WEIGHT_RANGE / 15}
 
 
 class ShapeMismatch(Exception):
@@ -102,16 +105,37 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
     if missing:
         raise ValueError(f"checkpoint in {path!r} has no weights for {missing[:5]}"
                          f"{' and more' if len(missing) > 5 else ''}")
+    process_weights_after_loading(model)
+
+
+def process_weights_after_loading(model: nn.Module):
+    """Let each layer repack what it loaded (quantization="fp8" quantizes its weights here)."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
 
 
 @torch.no_grad()
 def load_dummy(model: nn.Module, seed: int = 0):
-    """Random weights of the right shapes; norms stay at 1 so activations keep a sane scale."""
+    """Random weights of the right shapes; norms stay at 1 so activations keep a sane scale.
+    Quantized layers get random codes (fp8 in [-1, 1], int4 words of random bits) and scales that
+    bring their weights to the same small range."""
     generators = {}
     for name, param in model.named_parameters():
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        generator = generators[param.device]
         if "norm" in name:
             param.fill_(1.0)
+        elif name.endswith(tuple(DUMMY_SCALES)):
+            param.fill_(DUMMY_SCALES[name.rpartition(".")[2]])
+        elif param.dtype == torch.int32:  # packed int4 words
+            param.random_(generator=generator)
+        elif param.dtype.itemsize == 1:   # fp8 codes (uniform_ takes no fp8 tensor)
+            param.copy_(torch.empty(param.shape, device=param.device).uniform_(-1, 1, generator=generator))
         else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generators[param.device])
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+    process_weights_after_loading(model)

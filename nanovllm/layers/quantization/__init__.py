@@ -7,7 +7,11 @@
 `QuantizationConfig.resolve(argument, hf_config)` reads what the user asked for and what
 config.json's quantization_config says, and checks they agree.
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+from nanovllm.layers.quantization.awq import AwqLinearMethod
+from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod
 
 QUANTIZATION_METHODS = ("fp8", "awq")
 SUPPORTED_FP8_BLOCK = (128, 128)
@@ -79,5 +83,56 @@ class QuantizationConfig:
         return cls("awq", serialized=True, group_size=found["group_size"], modules_to_not_convert=skip)
 
     def skips(self, prefix: str) -> bool:
-        """Whether the layer named `prefix` (model.layers.0.mlp.down_proj) stays unquantized."""
-        return any(name in prefix for name in self.modules_to_not_convert)
+        """Whether the layer named `prefix` (model.layers.0.mlp.down_proj) stays unquantized: a
+        modules_to_not_convert entry names it, or a run of its dotted parts ("lm_head",
+        "mlp.down_proj", "layers.0"). A packed layer goes by its checkpoint parts (qkv_proj by
+        q_proj, k_proj and v_proj), which must then all be listed or none."""
+        parent, _, leaf = prefix.rpartition(".")
+        parts = [f"{parent}.{part}" for part in PACKED_PARTS.get(leaf, (leaf,))]
+        skipped = [any(names_module(entry, part) for entry in self.modules_to_not_convert) for part in parts]
+        if any(skipped) and not all(skipped):
+            raise ValueError(f"modules_to_not_convert lists some of {parts} but not all; they are one packed layer "
+                             f"here, quantized or not as a whole")
+        return all(skipped)
+
+
+# our packed layers -> the checkpoint layers they hold
+PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def names_module(entry: str, name: str) -> bool:
+    """Whether dotted name `entry` is a contiguous run of `name`'s dotted parts."""
+    want, have = entry.split("."), name.split(".")
+    return any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+# ---- the scope a model is built in --------------------------------------------------------------
+_CONFIG: QuantizationConfig | None = None
+
+
+@contextmanager
+def quantization_scope(config: QuantizationConfig | None):
+    """Layers built inside quantize as `config` says (read through current_quantization())."""
+    global _CONFIG
+    previous, _CONFIG = _CONFIG, config
+    try:
+        yield
+    finally:
+        _CONFIG = previous
+
+
+def current_quantization() -> QuantizationConfig | None:
+    return _CONFIG
+
+
+def linear_method(prefix: str | None):
+    """The quantization method of the linear layer named `prefix` (None: unquantized; a prefix of
+    None: a layer that is never quantized)."""
+    config = _CONFIG
+    if config is None or prefix is None or config.skips(prefix):
+        return None
+    if config.method == "awq":
+        return AwqLinearMethod(config.group_size)
+    if config.serialized:
+        return Fp8BlockLinearMethod(config.weight_block_size)
+    return Fp8LinearMethod()

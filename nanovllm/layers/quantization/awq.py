@@ -10,6 +10,9 @@ order chosen for its CUDA kernel's fast int4 -> fp16 conversion.
 """
 import torch
 
+from nanovllm.layers.quantization.base import Axes, check_divisible, new_param
+from nanovllm.utils.triton_mode import import_kernels
+
 PACK = 8                                    # 4-bit values per int32
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)       # column j of a word -> its nibble
 _SHIFTS = torch.tensor(AWQ_NIBBLE, dtype=torch.int32) * 4
@@ -50,3 +53,32 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     """W [in, out] in dtype: (q - z) * s, each group's zeros and scales repeated over its rows."""
     q, z = unpack(qweight), unpack(qzeros).repeat_interleave(group, 0)
     return ((q - z).float() * scales.float().repeat_interleave(group, 0)).to(dtype)
+
+
+class AwqLinearMethod:
+    """An AWQ checkpoint's qweight / qzeros / scales load as they are (column-parallel layers shard
+    their output features, 8 to a word; row-parallel ones their input rows, whole groups). The GEMM
+    on CUDA: our Triton W4A16 kernel, which unpacks in registers; elsewhere the weight dequantized
+    and a matmul."""
+
+    def __init__(self, group: int):
+        self.group = group
+
+    def create_weights(self, layer, input_size: int, output_size: int):
+        g = self.group
+        check_divisible(layer, "output features", layer.output_sizes, PACK, "an AWQ checkpoint")
+        check_divisible(layer, "input features", [input_size], g, "an AWQ checkpoint")
+        new_param(layer, "qweight", (input_size, output_size // PACK), torch.int32,
+                  Axes(output_dim=1, input_dim=0, output_pack=PACK))
+        new_param(layer, "qzeros", (input_size // g, output_size // PACK), torch.int32,
+                  Axes(output_dim=1, input_dim=0, output_pack=PACK, input_pack=g))
+        new_param(layer, "scales", (input_size // g, output_size), torch.float16,
+                  Axes(output_dim=1, input_dim=0, input_pack=g))
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            kernels = import_kernels("nanovllm.layers.quantization.awq_triton", "cuda", "the AWQ GEMM")
+            y = kernels.awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, self.group)
+        else:
+            y = x @ dequantize(layer.qweight, layer.qzeros, layer.scales, self.group, x.dtype)
+        return y if bias is None else y + bias

@@ -9,6 +9,10 @@ reference every kernel is tested against.
                 (the published checkpoints' name: it multiplies, despite the "inv")
 """
 import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.quantization.base import WEIGHT_AXES, BIAS_AXES, Axes, check_divisible, new_param
+from nanovllm.utils.triton_mode import import_kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448: the largest finite e4m3 value
@@ -72,3 +76,69 @@ def block_fp8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale_inv: torc
     xq, x_scales = quantize_per_token_group(x, block[1])
     x_deq = xq.float() * x_scales.repeat_interleave(block[1], 1)[:, :x.shape[1]]
     return (x_deq @ dequantize_block(q, scale_inv, block, torch.float32).T).to(x.dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q fp8 [T, K], scales float32 [T, 1]): the activations of a per-channel GEMM."""
+    scales = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
+    """torch._scaled_mm's FP8 GEMMs need compute capability 8.9 (Ada) or newer."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+# ---- the linear methods ---------------------------------------------------------------------------
+class Fp8LinearMethod:
+    """quantization="fp8" on an unquantized checkpoint: the weight loads as it is, then each output
+    row is quantized with its own scale. The GEMM: torch._scaled_mm with the activations quantized
+    per token where FP8 tensor cores exist, else the weight dequantized and F.linear. While the
+    checkpoint loads the weights are full precision: the peak is the unquantized model's."""
+
+    def create_weights(self, layer, input_size: int, output_size: int):
+        new_param(layer, "weight", (output_size, input_size), torch.get_default_dtype(), WEIGHT_AXES)
+
+    def process_weights_after_loading(self, layer):
+        q, scale = quantize_per_channel(layer.weight.data)
+        del layer.weight
+        new_param(layer, "weight", q.shape, FP8, WEIGHT_AXES).data = q
+        new_param(layer, "weight_scale", scale.shape, torch.float32, BIAS_AXES).data = scale
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if has_fp8_tensor_cores(x) and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and \
+                layer.weight.shape[0] % 16 == 0:  # _scaled_mm's row-wise scaling: bf16 out, sizes / 16
+            xq, x_scale = quantize_per_token(x)
+            return torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale[None],
+                                    bias=bias, out_dtype=x.dtype)
+        return F.linear(x, dequantize_per_channel(layer.weight, layer.weight_scale, x.dtype), bias)
+
+
+class Fp8BlockLinearMethod:
+    """A block-quantized FP8 checkpoint (Qwen3-*-FP8): `weight` fp8 [out, in] and its
+    `weight_scale_inv` [ceil(out/bn), ceil(in/bk)] load as they are. The GEMM on CUDA: our Triton
+    block-scaled kernel (activations quantized per token in groups of bk); elsewhere the weight
+    dequantized and F.linear."""
+
+    def __init__(self, block: tuple[int, int]):
+        self.block = block
+
+    def create_weights(self, layer, input_size: int, output_size: int):
+        bn, bk = self.block
+        if len(layer.output_sizes) > 1 or layer.tp_size > 1:  # parts and shards begin on a block
+            check_divisible(layer, "output features", layer.output_sizes, bn, "a block-quantized fp8 checkpoint")
+        if layer.input_is_sharded and layer.tp_size > 1:
+            check_divisible(layer, "input features", [input_size], bk, "a block-quantized fp8 checkpoint")
+        new_param(layer, "weight", (output_size, input_size), FP8, WEIGHT_AXES)
+        new_param(layer, "weight_scale_inv", (-(-output_size // bn), -(-input_size // bk)), torch.float32,
+                  Axes(output_dim=0, input_dim=1, output_pack=bn, input_pack=bk))
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            y = fp8_kernels().block_fp8_matmul(x, layer.weight, layer.weight_scale_inv, self.block)
+            return y if bias is None else y + bias
+        return F.linear(x, dequantize_block(layer.weight, layer.weight_scale_inv, self.block, x.dtype), bias)
+
+
+def fp8_kernels():
+    return import_kernels("nanovllm.layers.quantization.fp8_triton", "cuda", "the block-scaled fp8 GEMM")
