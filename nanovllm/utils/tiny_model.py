@@ -3,7 +3,11 @@
 Each folder holds config.json, model.safetensors and a byte-level BPE tokenizer trained here on a
 few sentences (with an EOS token), exactly as `from_pretrained` expects them.
 """
+import glob
+import json
 import os
+import re
+import shutil
 
 import torch
 
@@ -99,3 +103,94 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
                 param.normal_(0.0, config.initializer_range)
     model.save_pretrained(path)
     return path
+
+
+# ---- quantized checkpoints, in the published formats ----------------------------------------------
+# The linear layers' weights of a decoder layer (experts' included); routers, embeddings, norms
+# and the LM head stay as they are, as in the published checkpoints.
+LINEAR_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+
+
+def _rewrite(src: str, dst: str, convert, quantization_config: dict | None):
+    """Copy model folder src to dst, each tensor through convert(name, tensor) -> {name: tensor},
+    config.json's quantization_config set (None: removed)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for file in glob.glob(os.path.join(dst, "*.safetensors")):
+        out = {}
+        for name, tensor in load_file(file).items():
+            out.update(convert(name, tensor))
+        save_file(out, file)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return dst
+
+
+def quantize_checkpoint(src: str, dst: str, method: str, modules_to_not_convert: list[str] = ()) -> str:
+    """Write model folder src's linear layers to dst quantized as the published checkpoints are:
+    method "fp8" (Qwen3-*-FP8: `weight` fp8 e4m3 + float32 `weight_scale_inv` per 128 x 128 block)
+    or "awq" (Qwen3-*-AWQ: `qweight` / `qzeros` int32 in AWQ's nibble order, fp16 `scales`).
+    Layers whose name contains an entry of modules_to_not_convert are kept."""
+    from nanovllm.layers.quantization import awq, fp8
+
+    def convert(name, tensor):
+        if not LINEAR_WEIGHT.search(name) or any(m in name for m in modules_to_not_convert):
+            return {name: tensor}
+        base = name[:-len(".weight")]
+        if method == "fp8":
+            q, scale_inv = fp8.quantize_block(tensor)
+            return {name: q, f"{base}.weight_scale_inv": scale_inv}
+        qweight, qzeros, scales = awq.quantize(tensor.T.contiguous())
+        return {f"{base}.qweight": qweight, f"{base}.qzeros": qzeros, f"{base}.scales": scales}
+
+    config = dict(FP8_BLOCK_CONFIG if method == "fp8" else AWQ_CONFIG)
+    if modules_to_not_convert:
+        config["modules_to_not_convert"] = list(modules_to_not_convert)
+    return _rewrite(src, dst, convert, config)
+
+
+def dequantize_checkpoint(src: str, dst: str) -> str:
+    """The float32 checkpoint of the weights a quantized checkpoint (from quantize_checkpoint)
+    stands for: what it computes, in plain weights."""
+    from nanovllm.layers.quantization import awq, fp8
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in glob.glob(os.path.join(src, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+
+    def convert(name, tensor):
+        if name.endswith((".weight_scale_inv", ".qzeros", ".scales")):
+            return {}
+        if name.endswith(".qweight"):
+            base = name[:-len(".qweight")]
+            w = awq.dequantize(tensor, tensors[f"{base}.qzeros"], tensors[f"{base}.scales"], 128, torch.float32)
+            return {f"{base}.weight": w.T.contiguous()}
+        if tensor.dtype == fp8.FP8:
+            scale_inv = tensors[name.replace(".weight", ".weight_scale_inv")]
+            return {name: fp8.dequantize_block(tensor, scale_inv, (128, 128), torch.float32)}
+        return {name: tensor}
+
+    return _rewrite(src, dst, convert, None)
+
+
+def fake_quantize_per_channel(src: str, dst: str) -> str:
+    """The float32 checkpoint of what quantization="fp8" makes of src's linear layers (each row
+    quantized to fp8 with its own scale, and back)."""
+    from nanovllm.layers.quantization import fp8
+
+    def convert(name, tensor):
+        if not LINEAR_WEIGHT.search(name):
+            return {name: tensor}
+        return {name: fp8.dequantize_per_channel(*fp8.quantize_per_channel(tensor), torch.float32)}
+
+    return _rewrite(src, dst, convert, None)
