@@ -23,6 +23,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.recorder import StepRecorder
+from nanovllm.layers.linear import LinearBase
 
 # Model shapes for --dummy: random weights, no files needed.
 PRESETS = {
@@ -48,6 +49,15 @@ PRESETS = {
                            num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096,
                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
 }
+# Quantized shapes: each preset above as a block-quantized FP8 checkpoint (Qwen3-*-FP8's config)
+# and an AWQ int4 one (Qwen3-*-AWQ's); their dummy weights are random codes and scales.
+QUANTIZATION_CONFIGS = {
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+}
+for _name in ("qwen3-0.6b", "qwen3-tiny"):
+    for _method, _config in QUANTIZATION_CONFIGS.items():
+        PRESETS[f"{_name}-{_method}"] = dict(PRESETS[_name], quantization_config=_config)
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 MAX_TOKEN_ID = 10000  # prompt token ids are drawn from [0, MAX_TOKEN_ID]
 # Warm-up prompts repeat one token id: no workload prompt starts with a run of one id a block long,
@@ -90,6 +100,15 @@ def write_dummy_config(preset: str) -> str:
     config.architectures = [architecture]
     config.save_pretrained(path)
     return path
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes of the model's parameters (rank 0's), all of them and its linear layers' (the ones
+    quantization shrinks)."""
+    def size(params):
+        return sum(p.numel() * p.element_size() for p in params)
+    linear = [p for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters(recurse=False)]
+    return {"all": size(model.parameters()), "linear": size(linear)}
 
 
 def percentiles(values):
@@ -180,12 +199,13 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
 
 
 def run_nanovllm(args, path, prompts, max_tokens):
-    llm = LLM(path, device=args.device, load_format="dummy" if args.dummy else "auto",
+    llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy" if args.dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling,
-              speculative_config=args.speculative_config)
+              speculative_config=args.speculative_config, quantization=args.quantization)
+    weights = weight_bytes(llm.model_runner.model)
     warm_up(llm, prompts)                                   # not timed; the recorder counts from here
     recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
     llm.attach_recorder(recorder)
@@ -210,6 +230,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
         "gpu_idle_between_decode_steps": recorder.gpu_idle_fraction(),
         # per sequence: 1.0 without speculation, 1 / (tokens per verification) with it
         "target_forwards_per_output_token": delta["sampling_forwards"] / max(output_tokens, 1),
+        "weight_bytes": weights["all"], "linear_weight_bytes": weights["linear"], "num_kv_blocks": stats["num_blocks"],
     }
     drafts, draft_tokens, accepted = (stats[k] - before[k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
                                                                       "spec_num_accepted_tokens"))
@@ -306,6 +327,7 @@ def parse_args(argv=None):
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the engine's (float32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -317,6 +339,8 @@ def parse_args(argv=None):
                    help="overlap the host's work with the device's (--no-async-scheduling: the synchronous loop)")
     p.add_argument("--speculative-config", metavar="JSON", help='speculative decoding, e.g. '
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--quantization", choices=["fp8", "awq"], help="fp8: quantize the weights at load; a quantized "
+                   "checkpoint (or preset: qwen3-0.6b-fp8, -awq) needs none")
     p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     p.add_argument("--repetitive", action="store_true",
                    help="prompts that repeat a phrase of 8 tokens (text that quotes itself: n-gram drafts can hit)")
@@ -359,6 +383,8 @@ def main(argv=None):
         q = result[key]
         print(f"  {key[:-2].upper()}: p50 {q['p50'] * 1e3:.1f} ms, p90 {q['p90'] * 1e3:.1f} ms, p99 {q['p99'] * 1e3:.1f} ms")
     print(f"  target forwards per output token: {result['target_forwards_per_output_token']:.3f}")
+    print(f"  weights: {result['weight_bytes'] / 2**20:.1f} MiB, of which linear layers "
+          f"{result['linear_weight_bytes'] / 2**20:.1f} MiB; KV cache: {result['num_kv_blocks']} blocks")
     if "spec_acceptance_rate" in result:
         print(f"  speculation: acceptance rate {result['spec_acceptance_rate']:.1%}, mean acceptance length "
               f"{result['spec_mean_acceptance_length']:.2f}")
