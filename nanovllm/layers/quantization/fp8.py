@@ -96,6 +96,8 @@ class Fp8LinearMethod:
     per token where FP8 tensor cores exist, else the weight dequantized and F.linear. While the
     checkpoint loads the weights are full precision: the peak is the unquantized model's."""
 
+    scaled_mm = False  # whether apply() takes torch._scaled_mm (known once the weights are on their device)
+
     def create_weights(self, layer, input_size: int, output_size: int):
         new_param(layer, "weight", (output_size, input_size), torch.get_default_dtype(), WEIGHT_AXES)
 
@@ -104,10 +106,11 @@ class Fp8LinearMethod:
         del layer.weight
         new_param(layer, "weight", q.shape, FP8, WEIGHT_AXES).data = q
         new_param(layer, "weight_scale", scale.shape, torch.float32, BIAS_AXES).data = scale
+        # _scaled_mm's row-wise scaling: FP8 tensor cores, and both sizes of the weight a multiple of 16
+        self.scaled_mm = has_fp8_tensor_cores(q) and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if has_fp8_tensor_cores(x) and x.dtype == torch.bfloat16 and x.shape[1] % 16 == 0 and \
-                layer.weight.shape[0] % 16 == 0:  # _scaled_mm's row-wise scaling: bf16 out, sizes / 16
+        if self.scaled_mm and x.dtype == torch.bfloat16:  # (row-wise scaling writes bf16 only)
             xq, x_scale = quantize_per_token(x)
             return torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale[None],
                                     bias=bias, out_dtype=x.dtype)
