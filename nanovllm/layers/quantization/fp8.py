@@ -121,7 +121,8 @@ class Fp8BlockLinearMethod:
     """A block-quantized FP8 checkpoint (Qwen3-*-FP8): `weight` fp8 [out, in] and its
     `weight_scale_inv` [ceil(out/bn), ceil(in/bk)] load as they are. The GEMM on CUDA: our Triton
     block-scaled kernel (activations quantized per token in groups of bk); elsewhere the weight
-    dequantized and F.linear."""
+    dequantized and F.linear (and on GPUs without FP8 tensor cores, before compute capability 8.9)."""
+    use_kernel = False
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
@@ -136,8 +137,11 @@ class Fp8BlockLinearMethod:
         new_param(layer, "weight_scale_inv", (-(-output_size // bn), -(-input_size // bk)), torch.float32,
                   Axes(output_dim=0, input_dim=1, output_pack=bn, input_pack=bk))
 
+    def process_weights_after_loading(self, layer):
+        self.use_kernel = has_fp8_tensor_cores(layer.weight)  # (its fp8 x fp8 dot needs them)
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda:
+        if self.use_kernel:
             y = fp8_kernels().block_fp8_matmul(x, layer.weight, layer.weight_scale_inv, self.block)
             return y if bias is None else y + bias
         return F.linear(x, dequantize_block(layer.weight, layer.weight_scale_inv, self.block, x.dtype), bias)
