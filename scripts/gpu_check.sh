@@ -10,26 +10,31 @@
 #   4. a short bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with
 #      CUDA graphs, at its serving shape, when the GPU has the memory,
 #   5. batch-1 greedy decode of a repetitive prompt, with and without n-gram speculation, and with a
-#      draft model equal to the target (the mechanism's bound: every draft accepted).
+#      draft model equal to the target (the mechanism's bound: every draft accepted),
+#   6. quantization: the GEMM micro-benchmark (bf16, block FP8, AWQ), the decode kernel over an
+#      FP8 KV cache, and one short bench.py workload in bf16, fp8 (online), an FP8 block
+#      checkpoint's shape, an AWQ checkpoint's shape and with an FP8 KV cache.
 # A one-line summary per step (pass/fail, seconds) ends the log; the exit status is 0 only if
 # every step that ran passed.
 # Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
 # The log goes to $OUT/gpu_check.log ($OUT is the device tool's output folder; elsewhere it
 # defaults to /tmp/gpu_check).
 #
-# Time boxes (seconds), 475 in all: gpu tests 70, Triton kernel tests 85, the one-test rerun 30,
-# decode micro-benchmark 20, bench.py vs HF 80, synchronous bench.py 50, MoE bench.py 65,
-# batch-1 decode without speculation, with n-gram and with draft-model speculation 25 each.
+# Time boxes (seconds), 560 in all: gpu tests 80, Triton kernel tests 90, the one-test rerun 30,
+# decode micro-benchmark 20, bench.py vs HF 75, synchronous bench.py 40, MoE bench.py 60,
+# batch-1 decode without speculation, with n-gram and with draft-model speculation 20 each,
+# quantized GEMM and fp8-KV decode micro-benchmarks 12 each, the five short quantization
+# bench.py runs 20 each.
 # A step that reaches its box gets SIGINT (pytest then still prints its failures, durations and
 # the test it was in; python prints a traceback), and SIGKILL 15 s later if it is still running.
-# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 475, so
-# the script ends within 8 minutes whatever happens; a smaller one makes a quick dry run); a
+# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 560, so
+# the script ends within 10 minutes whatever happens; a smaller one makes a quick dry run); a
 # step with under MIN_STEP_S left is skipped and reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-475}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
 MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
 KILL_AFTER_S=15        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
 mkdir -p "$OUT"
@@ -95,20 +100,21 @@ EOF
 # Only the files that have gpu-marked tests: with -x, a collection error in any other file (an
 # optional package the image lacks) would stop the step before its first test.
 mapfile -t gpu_test_files < <(grep -l "mark.gpu" tests/test_*.py)
-run "gpu tests" 70 "${PYTEST[@]}" -m gpu "${gpu_test_files[@]}"
+run "gpu tests" 80 "${PYTEST[@]}" -m gpu "${gpu_test_files[@]}"
 rerun_first_failure
 # ~70-90 kernel variants to compile on a cold Triton cache, a second or two each; the gpu-marked
 # tests of these files ran in the step above
-run "triton kernels on the GPU" 85 "${PYTEST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py
+run "triton kernels on the GPU" 90 "${PYTEST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py \
+  tests/test_quant_kernels.py
 rerun_first_failure
 run "decode kernel micro-benchmark" 20 python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
 # start-up + warm-up + ~20 s timed run, then HF: loading, and 20 s of generation at most;
 # the summary includes the GPU idle share between decode steps (CUDA events)
-run "bench.py default workload vs HF" 80 python3 bench.py --compare hf --hf-time-limit 20 --json
-run "bench.py default workload, synchronous loop" 50 python3 bench.py --no-async-scheduling --json
+run "bench.py default workload vs HF" 75 python3 bench.py --compare hf --hf-time-limit 20 --json
+run "bench.py default workload, synchronous loop" 40 python3 bench.py --no-async-scheduling --json
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 80e9)" 2>/dev/null; then
   # the serving shape: 64 sequences, CUDA graphs on (decode replays the fused MoE kernel)
-  run "bench.py qwen3-30b-a3b (MoE, CUDA graphs)" 65 python3 bench.py --dummy qwen3-30b-a3b --num-seqs 64 \
+  run "bench.py qwen3-30b-a3b (MoE, CUDA graphs)" 60 python3 bench.py --dummy qwen3-30b-a3b --num-seqs 64 \
     --max-input-len 512 --max-output-len 128 --max-num-seqs 64 --json
 else
   echo "=== bench.py qwen3-30b-a3b (MoE) skipped: it needs a GPU with 80 GB or more"
@@ -116,11 +122,21 @@ else
 fi
 BATCH1=(python3 bench.py --num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 512
         --max-output-len 512 --repetitive --temperature 0 --json)
-run "bench.py batch-1 greedy decode, repetitive prompt" 25 "${BATCH1[@]}"
-run "bench.py batch-1 greedy decode, repetitive prompt, n-gram speculation (k=4)" 25 "${BATCH1[@]}" \
+run "bench.py batch-1 greedy decode, repetitive prompt" 20 "${BATCH1[@]}"
+run "bench.py batch-1 greedy decode, repetitive prompt, n-gram speculation (k=4)" 20 "${BATCH1[@]}" \
   --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
-run "bench.py batch-1 greedy decode, draft model = target (k=4)" 25 "${BATCH1[@]}" \
+run "bench.py batch-1 greedy decode, draft model = target (k=4)" 20 "${BATCH1[@]}" \
   --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
+run "quantized GEMM micro-benchmark" 12 python3 scripts/bench_quant_gemm.py
+run "decode kernel micro-benchmark, fp8 KV cache" 12 python3 scripts/bench_decode_attention.py --batch 256 \
+  --context 1024 --kv-cache-dtype fp8
+# one short workload (64 sequences) per scheme, the bf16 run first as their baseline
+QUANT=(python3 bench.py --num-seqs 64 --max-input-len 512 --max-output-len 256 --json)
+run "bench.py short workload, bf16" 20 "${QUANT[@]}"
+run "bench.py short workload, quantization=fp8 (online, per channel)" 20 "${QUANT[@]}" --quantization fp8
+run "bench.py short workload, FP8 block checkpoint shape" 20 "${QUANT[@]}" --dummy qwen3-0.6b-fp8
+run "bench.py short workload, AWQ checkpoint shape" 20 "${QUANT[@]}" --dummy qwen3-0.6b-awq
+run "bench.py short workload, fp8 KV cache" 20 "${QUANT[@]}" --kv-cache-dtype fp8
 echo "=== summary (${BUDGET_S} s budget, $((SECONDS - start_all)) s used)"
 printf '%s\n' "${summary[@]}"
 echo "=== gpu_check exit status $status"
