@@ -138,9 +138,10 @@ def test_tiles_past_num_padded_exit():
     sorted_pairs, block_expert, _ = align_by_expert(ids, 2, 16)
     mid = torch.full((4, 32), float("nan"), device=DEVICE)
     moe_triton._gate_up_kernel[(block_expert.shape[0], 1)](
-        x, w13, mid, sorted_pairs, block_expert, torch.zeros(1, dtype=torch.int64, device=DEVICE), 4, 32, 32,
-        *x.stride(), *w13.stride(), *mid.stride(),
-        TOP_K=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, DOT_PRECISION="ieee")
+        x, w13, mid, sorted_pairs, block_expert, torch.zeros(1, dtype=torch.int64, device=DEVICE), w13, 4, 32, 32,
+        *x.stride(), *w13.stride(), *mid.stride(), 0, 0, 0,
+        TOP_K=1, BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, DOT_PRECISION="ieee",
+        SCALES=moe_triton.NO_SCALES.value, GROUP_N=1, GROUP_K=1)
     assert mid.isnan().all()
 
 

@@ -1,7 +1,8 @@
 """What the mixture-of-experts families share: the decoder, with some layers' MLP a router plus
 experts (layers/moe.py), and the expert tensors of a published checkpoint
 (`...experts.E.{gate,up,down}_proj.weight`, or Mixtral's `w1`/`w3`/`w2`) packed into each
-layer's w13 and w2 as they load."""
+layer's w13 and w2 as they load (and an FP8 checkpoint's `...weight_scale_inv` beside each, into
+w13_scale_inv and w2_scale_inv)."""
 import re
 
 from torch import nn
@@ -10,7 +11,7 @@ from transformers import PretrainedConfig
 from nanovllm.layers.moe import SparseMoE
 from nanovllm.layers.transformer import DecoderFlags, DecoderForCausalLM, check_decoder_config
 
-EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(_scale_inv)?$")
 EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 # Options of other mixture-of-experts designs: a config that sets one is refused, naming it.
 UNSUPPORTED = {
@@ -72,4 +73,5 @@ class SparseDecoderForCausalLM(DecoderForCausalLM):
         if expert >= num_experts_of(self.config):  # an expert the config does not have
             return None, None
         packed = "w2" if EXPERT_PART[match.group(2)] == "down" else "w13"
-        return f"{name[:match.start()]}.experts.{packed}", (expert, EXPERT_PART[match.group(2)])
+        scale = match.group(3) or ""                       # "_scale_inv": the weight's FP8 block scales
+        return f"{name[:match.start()]}.experts.{packed}{scale}", (expert, EXPERT_PART[match.group(2)])
