@@ -7,8 +7,7 @@ parallel slices of whole blocks, and the checkpoints and configurations that are
 Kernels run under Triton's interpreter on CPU (TRITON_INTERPRET=1, set before anything imports
 triton, as in test_moe_kernel.py); on a CUDA machine the same tests run the compiled kernels.
 
-Until the engine's model build passes its QuantizationConfig to the experts, the tests build the
-model through `quantized_model_class(quantization)`, which does what that wiring will do.
+Models are built as the engine builds them: in the scope of the engine's QuantizationConfig.
 """
 import importlib.util
 import json
@@ -26,10 +25,9 @@ from transformers import AutoConfig
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import nanovllm.models  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.layers.moe import FusedExperts, SparseMoE, route, torch_experts  # noqa: E402
-from nanovllm.layers.quantization import QuantizationConfig, fp8  # noqa: E402
+from nanovllm.layers.quantization import QuantizationConfig, fp8, quantization_scope  # noqa: E402
 from nanovllm.models.mixtral import MixtralForCausalLM  # noqa: E402
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from nanovllm.models.sparse import num_experts_of  # noqa: E402
@@ -111,17 +109,10 @@ def make_problem(num_experts, top_k, num_tokens, hidden, inter, block, seed, dev
     return tuple(t.to(device) for t in (x, q13, s13, q2, s2, weights, ids))
 
 
-def quantized_model_class(quantization):
-    """Qwen3-MoE whose sparse layers get `quantization`: what the engine's model build will do
-    once FusedExperts reads the engine's QuantizationConfig from its scope."""
-    class QuantizedQwen3Moe(Qwen3MoeForCausalLM):
-        @classmethod
-        def build_mlp(cls, config, layer_index, flags):
-            if not cls.is_sparse(config, layer_index):
-                return super().build_mlp(config, layer_index, flags)
-            return SparseMoE(config.hidden_size, cls.expert_size(config), num_experts_of(config),
-                             config.num_experts_per_tok, cls.renormalize(config), quantization)
-    return QuantizedQwen3Moe
+def quantized_model(config, quantization):
+    """Qwen3-MoE built as the engine builds it, in the scope of `quantization`."""
+    with quantization_scope(quantization):
+        return Qwen3MoeForCausalLM(config, 64)
 
 
 def expert_names(prefix, expert):
@@ -249,7 +240,7 @@ def test_block_checkpoint_loads_into_fused_experts(fp8_models):
     config = AutoConfig.from_pretrained(block_dir)
     quantization = QuantizationConfig.resolve(None, config)
     assert quantization.serialized and quantization.weight_block_size == BLOCK
-    model = quantized_model_class(quantization)(config, 64)
+    model = quantized_model(config, quantization)
     load_model(model, block_dir, show_progress=False)
     tensors = load_file(os.path.join(block_dir, "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
@@ -264,7 +255,7 @@ def test_block_checkpoint_loads_into_fused_experts(fp8_models):
         assert torch.equal(layer.mlp(x), torch_experts(x, w13, w2, weights, ids))
 
 
-def test_block_checkpoint_greedy_equals_the_dequantized_float32_model(fp8_models, prompts, monkeypatch):
+def test_block_checkpoint_greedy_equals_the_dequantized_float32_model(fp8_models, prompts):
     """The engine end to end: the FP8 checkpoint and the float32 one holding its dequantized
     weights give the same tokens (on CPU, where the FP8 experts compute exactly the dequantized
     ones; the kernel's float32 rounding differs slightly)."""
@@ -272,7 +263,6 @@ def test_block_checkpoint_greedy_equals_the_dequantized_float32_model(fp8_models
     batch = [p[:40] for p in prompts[:5]]
     with LLM(dequantized_dir, device="cpu", max_model_len=128) as llm:
         expected = [o["token_ids"] for o in llm.generate(batch, GREEDY, use_tqdm=False)]
-    monkeypatch.setitem(nanovllm.models.REGISTRY, "Qwen3MoeForCausalLM", quantized_model_class(SERIALIZED))
     with LLM(block_dir, device="cpu", max_model_len=128) as llm:
         assert all(layer.mlp.experts.w13.dtype == fp8.FP8 for layer in llm.model_runner.model.model.layers)
         assert [o["token_ids"] for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
@@ -285,7 +275,7 @@ def test_missing_scale_is_reported(fp8_models, tmp_path):
     config = AutoConfig.from_pretrained(missing)
     with pytest.raises(ValueError, match=r"no weights for \['model\.layers\.1\.mlp\.experts\.experts\.2\.up\."
                                          r"weight_scale_inv'\]"):
-        load_model(quantized_model_class(SERIALIZED)(config, 64), missing, show_progress=False)
+        load_model(quantized_model(config, QuantizationConfig.resolve(None, config)), missing, show_progress=False)
     tensors = load_file(os.path.join(missing, "model.safetensors"))
     experts = load_fused_experts(tensors, "model.layers.1.mlp", config, SERIALIZED)
     assert experts.missing_shards() == ["experts.2.up.weight_scale_inv"]
@@ -318,15 +308,13 @@ def test_tensor_parallel_ranks_hold_whole_blocks(fp8_models):
 def test_online_fp8_quantizes_per_channel_after_loading(fp8_models):
     path, _, _ = fp8_models
     config = AutoConfig.from_pretrained(path)
-    model = quantized_model_class(ONLINE)(config, 64)
-    load_model(model, path, show_progress=False)
+    model = quantized_model(config, ONLINE)
+    load_model(model, path, show_progress=False)  # (which quantizes once every tensor is in)
     reference = Qwen3MoeForCausalLM(config, 64)
     load_model(reference, path, show_progress=False)
     gen = torch.Generator().manual_seed(3)
     for layer, ref_layer in zip(model.model.layers, reference.model.layers):
         experts = layer.mlp.experts
-        assert experts.w13.dtype == torch.float32 and experts.w13_scale is None   # full precision until then
-        experts.process_weights_after_loading()
         assert experts.w13.dtype == experts.w2.dtype == fp8.FP8
         assert experts.w13_scale.shape == (4, 512) and experts.w2_scale.shape == (4, 128)
         assert {n: p.dtype for n, p in experts.named_parameters()} == {

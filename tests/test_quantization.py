@@ -229,3 +229,13 @@ def test_block_fp8_scales_multiply_their_128_by_128_block():
     # e4m3 has 3 mantissa bits (half a step: 1/16 of the value) and subnormal steps of 2^-9
     assert ((back - w).abs() <= w.abs() / 16 + scale_inv[rows, cols] * 2 ** -10).all()
     assert torch.equal(fp8.dequantize_block(q, scale_inv, (128, 128), torch.float32), back)
+
+
+def test_online_fp8_of_a_mixture_of_experts(tmp_path):
+    # experts quantized per output channel too (through the fused experts), the router not
+    moe = build_model(str(tmp_path / "moe"), arch="qwen3_moe")
+    with LLM(moe, max_model_len=MAX_LEN, quantization="fp8") as llm:
+        layer = llm.model_runner.model.model.layers[0]
+        assert layer.mlp.experts.w13.dtype == torch.float8_e4m3fn and layer.mlp.gate.weight.dtype == torch.float32
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_same_output(got, generate(fake_quantize_per_channel(moe, str(tmp_path / "moe-pc"))), SAME_ARITHMETIC_TOL)

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.moe import SparseMoE
+from nanovllm.layers.quantization import current_quantization
 from nanovllm.layers.transformer import DecoderFlags, DecoderForCausalLM, check_decoder_config
 
 EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(_scale_inv)?$")
@@ -62,8 +63,11 @@ class SparseDecoderForCausalLM(DecoderForCausalLM):
     def build_mlp(cls, config: PretrainedConfig, layer_index: int, flags: DecoderFlags) -> nn.Module:
         if not cls.is_sparse(config, layer_index):
             return DecoderForCausalLM.build_mlp(config, layer_index, flags)
+        quantization = current_quantization()  # (the engine's; None when unquantized or listed as not converted)
+        if quantization is not None and quantization.skips(f"model.layers.{layer_index}.mlp.experts"):
+            quantization = None
         return SparseMoE(config.hidden_size, cls.expert_size(config), num_experts_of(config),
-                         config.num_experts_per_tok, cls.renormalize(config))
+                         config.num_experts_per_tok, cls.renormalize(config), quantization)
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
         match = EXPERT_TENSOR.search(name)
