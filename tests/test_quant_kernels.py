@@ -91,27 +91,34 @@ def test_per_token_group_quant_is_bit_exact(num_tokens, k, group, dtype):
     assert_quant_equal(x.to(dtype).to(DEVICE), group)
 
 
-def e4m3_sweep() -> torch.Tensor:
+def e4m3_sweep(near_ties: bool = True) -> torch.Tensor:
     """fp32 values in [-448, 448] around every e4m3 value: the values, the midpoints between
-    neighbours (ties: to even), and one fp32 ulp on either side of each midpoint."""
+    neighbours (ties: to even), and (near_ties) one fp32 ulp on either side of each midpoint."""
     bits = torch.arange(128, dtype=torch.uint8)
     values = bits[bits != 0x7F].view(fp8.FP8).float()                    # 0 .. 448, subnormals included
     mids = (values[1:] + values[:-1]) / 2                                 # exact in fp32
-    around = torch.cat([mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e3))])
-    positive = torch.cat([values, mids, around, torch.tensor([1e-30, 1e-40, 447.0, 447.99])])
+    positive = [values, mids]
+    if near_ties:
+        positive += [mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e3)),
+                     torch.tensor([1e-30, 1e-40, 447.0, 447.99])]
+    positive = torch.cat(positive)
     return torch.cat([positive, -positive])
 
 
-def test_per_token_group_quant_rounds_like_torch():
-    """Scale 1 (each row's amax is 448), so x / scale = x exactly: the fp8 bytes are the rounding
-    of x alone, for every tie and near-tie of e4m3, against torch's float -> float8_e4m3fn."""
-    values = e4m3_sweep()
+@pytest.mark.parametrize("scale", [1.0, 7.0])
+def test_per_token_group_quant_rounds_like_torch(scale):
+    """Each row's amax is 448 * scale, so the scale is exactly `scale` and x / scale is exact: the
+    fp8 bytes are the rounding of the sweep alone, for every tie and near-tie of e4m3, against
+    torch's float -> float8_e4m3fn. Scale 7 (the sweep times 7, still exact in fp32) also tells a
+    true division from a multiplication by the rounded 1 / 7, which moves 30 of the ties."""
+    values = e4m3_sweep(near_ties=scale == 1.0) * scale
     group = 256
     rows = -(-values.numel() // (group - 1))
     body = torch.zeros(rows * (group - 1))
     body[:values.numel()] = values
-    x = torch.cat([torch.full((rows, 1), 448.0), body.view(rows, group - 1)], dim=1)
+    x = torch.cat([torch.full((rows, 1), 448.0 * scale), body.view(rows, group - 1)], dim=1)
     assert_quant_equal(x.to(DEVICE), group)
+    assert torch.equal(per_token_group_quant(x.to(DEVICE), group)[1].cpu(), torch.full((rows, 1), scale))
 
 
 # ---------------------------------------------------------------------------------------------
