@@ -22,6 +22,7 @@ gets a whole ulp there, 2^-7):
                           (half the spacing of e4m3's subnormals, 2^-9 * amax / 448)
 """
 import os
+import sys
 
 import pytest
 import torch
@@ -279,6 +280,25 @@ def test_awq_gemm_rejects_wrong_inputs():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             awq_gemm(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the micro-benchmark's CPU smoke run
+# ---------------------------------------------------------------------------------------------
+def test_bench_quant_gemm_cpu_smoke(capsys):
+    if DEVICE != "cpu":
+        pytest.skip("the CPU smoke run is for interpreter machines")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_quant_gemm
+    results = bench_quant_gemm.main(["--device", "cpu", "--tokens", "1", "20", "--n", "64", "--k", "256",
+                                     "--iters", "1"])
+    out = capsys.readouterr().out
+    assert [r["tokens"] for r in results] == [1, 1, 1, 20, 20, 20]
+    assert {r["method"] for r in results} == {"bf16 F.linear", "block_fp8_matmul", "awq_gemm"}
+    assert all(r["check_ok"] and r["time_per_call_s"] > 0 and r["weight_gbs"] > 0 for r in results)
+    fp8_row = next(r for r in results if r["method"] == "block_fp8_matmul")
+    assert fp8_row["weight_bytes"] == 64 * 256 + 1 * 2 * 4           # fp8 bytes + the [1, 2] fp32 scales
+    assert "GB/s" in out and "max error" in out
 
 
 # ---------------------------------------------------------------------------------------------
