@@ -14,7 +14,8 @@ rounded; under triton 3.9's interpreter a cast fp32 -> bf16 truncates instead of
 gets a whole ulp there, 2^-7):
   kernel vs its emulating reference (fp8: block_fp8_matmul_reference; awq: x @ dequantize in
   fp32), fp32 out:        |out - ref| <= ACCUM_TOL * bound, ACCUM_TOL = 2^-20 (8 fp32 ulps of
-                          the bound: the sums are the same, in another order; measured <= 2^-22)
+                          the bound: the sums are the same, in another order; measured <= 2^-22);
+                          for fp8 compiled on Hopper 2^-10 (its fp8 MMA sums a K tile in ~14 bits)
   fp8, out in x's dtype:  + u |ref| (the output's rounding)
   awq, x in bf16/fp16:    + 2u bound (W rounded to x's dtype for the dot, and the output rounding)
   fp8 vs plain dequantize-and-matmul (x unquantized): + the activation quantization's own error,
@@ -44,6 +45,12 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
                 allow_module_level=True)
 
 ACCUM_TOL = 2.0 ** -20
+# Hopper's fp8 MMA keeps ~14 bits while it sums (DeepSeek-V3, section 3.3.2: up to 2% relative
+# error over K = 4096 unpromoted); the kernel promotes every 128-deep K tile to fp32, so a tile's
+# sum is off by about 2% / 32 = 2^-10.6 of it at worst; 2^-10 of the absolute sum leaves room.
+# The same tests compiled on a GPU (DEVICE "cuda") hold the fp8 GEMM to that.
+HOPPER_FP8_ACCUM_TOL = 2.0 ** -10
+FP8_ACCUM_TOL = ACCUM_TOL if INTERPRETED else HOPPER_FP8_ACCUM_TOL
 ROUNDING = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** (-7 if INTERPRETED else -8)}
 E4M3_ROUNDOFF = 2.0 ** -4                    # 3 mantissa bits
 E4M3_SUBNORMAL_HALF_SPACING = 2.0 ** -19     # of amax: 2^-9 * (amax / 448) / 2 < 2^-19 amax
@@ -146,11 +153,11 @@ def check_fp8(x, q, scale_inv, block=BLOCK):
 
     out32 = block_fp8_matmul(x, q, scale_inv, block, out_dtype=torch.float32)
     assert out32.dtype == torch.float32 and out32.shape == (x.shape[0], q.shape[0])
-    assert_within(out32, ref, ACCUM_TOL * bound, "fp32 out vs block_fp8_matmul_reference")
+    assert_within(out32, ref, FP8_ACCUM_TOL * bound, "fp32 out vs block_fp8_matmul_reference")
 
     out = block_fp8_matmul(x, q, scale_inv, block)
     assert out.dtype == x.dtype
-    assert_within(out, ref, ACCUM_TOL * bound + ROUNDING[x.dtype] * ref.abs(),
+    assert_within(out, ref, FP8_ACCUM_TOL * bound + ROUNDING[x.dtype] * ref.abs(),
                   f"{x.dtype} out vs block_fp8_matmul_reference")
 
     # plain: x unquantized, times the dequantized weight
@@ -161,7 +168,7 @@ def check_fp8(x, q, scale_inv, block=BLOCK):
     x_err = E4M3_ROUNDOFF * xf.abs() + E4M3_SUBNORMAL_HALF_SPACING * amax
     plain = xf @ w_deq.T
     plain_bound = xf.abs() @ w_deq.abs().T
-    assert_within(out32, plain, x_err @ w_deq.abs().T + ACCUM_TOL * (bound + plain_bound),
+    assert_within(out32, plain, x_err @ w_deq.abs().T + FP8_ACCUM_TOL * (bound + plain_bound),
                   "fp32 out vs x @ dequantize_block(q).T")
     return (((out32 - ref).abs() / bound).max().item(),
             ((out32 - plain).norm() / plain.norm()).item())
@@ -306,9 +313,6 @@ def test_bench_quant_gemm_cpu_smoke(capsys):
 # ---------------------------------------------------------------------------------------------
 # (N, K): a 4096 x 4096 layer, and Qwen3-0.6B's qkv (4096 x hidden 1024) and down (1024 x intermediate 3072)
 GPU_SHAPES = [(4096, 4096), (4096, 1024), (1024, 3072)]
-# Hopper's fp8 MMA keeps ~14 bits while it sums a K tile (DeepSeek-V3, section 3.3.2): the
-# products of one 128-deep tile are summed to ~2^-13 of their absolute sum; 2^-11 leaves room.
-HOPPER_FP8_ACCUM_TOL = 2.0 ** -11
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
                                 reason="needs a CUDA device and compiled (not interpreted) kernels")
 
@@ -321,15 +325,8 @@ def test_gpu_block_fp8_matmul_bf16(num_tokens, n, k):
     gen = torch.Generator().manual_seed(num_tokens + n + k)
     x = randn(num_tokens, k, gen=gen, dtype=torch.bfloat16)
     q, scale_inv = fp8.quantize_block(randn(n, k, gen=gen, scale=k ** -0.5))
-    assert_quant_equal(x, BLOCK[1])
-    ref = fp8.block_fp8_matmul_reference(x.float(), q, scale_inv, BLOCK)
-    xq, x_scales = fp8.quantize_per_token_group(x, BLOCK[1])
-    bound = (xq.float() * x_scales.repeat_interleave(BLOCK[1], 1)).abs() @ \
-        fp8.dequantize_block(q, scale_inv, BLOCK, torch.float32).abs().T
-    out = block_fp8_matmul(x, q, scale_inv, BLOCK)
-    assert out.dtype == torch.bfloat16
-    assert_within(out, ref, HOPPER_FP8_ACCUM_TOL * bound + ROUNDING[torch.bfloat16] * ref.abs(),
-                  "bf16 block_fp8_matmul vs block_fp8_matmul_reference")
+    assert_quant_equal(x, BLOCK[1])                      # the hardware fp8 cast, bit for bit
+    check_fp8(x, q, scale_inv)                           # fp32 and bf16 out, HOPPER_FP8_ACCUM_TOL
 
 
 @pytest.mark.gpu
