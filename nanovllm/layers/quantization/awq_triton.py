@@ -1,0 +1,176 @@
+"""The AWQ int4 GEMM (W4A16): y = x W with W kept packed, unpacked tile by tile in registers.
+awq.py holds the format and its arithmetic in plain PyTorch; this kernel computes the same thing.
+
+  x [T, K] (bf16/fp16/fp32)   qweight [K, N / 8] int32   qzeros [K / g, N / 8] int32   scales [K / g, N] fp16
+  W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]; q[k, 8c + j] is nibble AWQ_NIBBLE[j] of
+  qweight[k, c], AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7), i.e. nibble (j // 2) + 4 (j % 2).
+
+  _awq_gemm_kernel   grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): each program owns a [BLOCK_M, BLOCK_N]
+                     output tile and walks K in steps of BLOCK_K. Per step it loads the packed
+                     words of its tile, qweight[k-tile, BLOCK_N / 8 words] (int32, BLOCK_N / 2 bytes
+                     per row), repeats each word 8 times along N (three tl.interleave, in registers),
+                     shifts column n by 4 * nibble(n % 8) and masks 4 bits; the same for the group's
+                     zero points (one packed row: BLOCK_K divides g, so a K tile lies in one group)
+                     and its scales. The tile W = (q - z) * s is formed in fp32 (exact: a 4-bit
+                     integer times an fp16 scale), rounded once to x's dtype, and multiplied by the
+                     x tile in tl.dot with an fp32 accumulator. The whole W is never in memory.
+K is a multiple of g (the format's groups) and N of 8 (the packing), both checked; T is masked.
+
+Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernel runs on CPU
+tensors through Triton's interpreter, which is how tests/test_quant_kernels.py checks it. The
+interpreter's tl.dot multiplies bf16 operands as the uint16 integers it stores them in (triton
+3.9), so there (DOT_IN_FP32, set for CPU tensors) both tiles are widened to fp32 just before the
+dot, after W's rounding to x's dtype: the same products, summed in fp32 as on the GPU. (Its
+fp32 -> bf16 casts truncate instead of rounding to nearest; the tests allow a whole bf16 ulp.)
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.quantization.awq import PACK
+
+# Tiles. A qweight row of a tile is BLOCK_N / 2 bytes: 64 columns make one 32-byte DRAM sector,
+# the least that is worth a read. The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32 before
+# its rounding), so BLOCK_K * BLOCK_N / (32 * num_warps) values per thread bound the tile sizes.
+# Decode (T <= DECODE_MAX_TOKENS): one 16-row tile (tl.dot's minimum) holds every token; the
+# kernel streams K * N / 2 bytes of weights, over N / 64 programs (64 for N = 4096).
+# Prefill: 64 x 128 output tiles reuse each unpacked W tile over 64 tokens (unpacking costs ALU
+# work per weight, paid once per BLOCK_M tokens); 8 warps keep the W tile at 32 values per thread.
+DECODE_MAX_TOKENS = 16
+DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 4
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 64, 8, 3
+# fp32 x (tests, not checkpoints: AWQ runs in fp16/bf16) keeps its W tile in fp32 and takes the exact
+# ("ieee") FMA path, no tensor cores: tiles of at most 64 columns and 32 K rows, else the sm_90
+# build spills registers (ptxas -v: 236 bytes at decode, 1.6 KB at prefill with the tiles above)
+FP32_MAX_BLOCK_N, FP32_BLOCK_K = 64, 32
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _unpack_awq(words, offs_n):
+    """words [..., C] int32 -> [..., 8 C] int32 values in 0..15, offs_n the columns they are for:
+    column 8 c + j is nibble AWQ_NIBBLE[j] = j // 2 + 4 (j % 2) of word c."""
+    words = tl.interleave(words, words)                  # each word twice, then 4 times, then 8 times
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    j = offs_n % 8
+    shifts = ((j // 2) + (j % 2) * 4) * 4
+    return (words >> shifts) & 0xF
+
+
+@triton.jit
+def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, T, N, K,
+                     s_xt, s_xk, s_qk, s_qc, s_zg, s_zc, s_sg, s_sn, s_ot, s_on,
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): out[m, n] = sum_k x[m, k] W[k, n]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = pid_n.to(tl.int64) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)    # the tile's packed words
+    m_ok = offs_m < T
+    n_ok = offs_n < N
+    c_ok = offs_c < N // 8                               # N is a multiple of 8: whole words or none
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * s_xt + offs_k[None, :] * s_xk          # [BLOCK_M, BLOCK_K]
+    qw_ptrs = qw_ptr + offs_k[:, None] * s_qk + offs_c[None, :] * s_qc        # [BLOCK_K, BLOCK_N / 8]
+    qz_ptrs = qz_ptr + offs_c * s_zc                                          # [BLOCK_N / 8], group 0
+    s_ptrs = s_ptr + offs_n * s_sn                                            # [BLOCK_N], group 0
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):                      # K % GROUP == 0 and GROUP % BLOCK_K == 0: no K mask
+        g = k0 // GROUP
+        zeros = _unpack_awq(tl.load(qz_ptrs + g * s_zg, mask=c_ok, other=0), offs_n)           # [BLOCK_N]
+        scales = tl.load(s_ptrs + g * s_sg, mask=n_ok, other=0.0).to(tl.float32)               # [BLOCK_N]
+        q = _unpack_awq(tl.load(qw_ptrs, mask=c_ok[None, :], other=0), offs_n[None, :])        # [BLOCK_K, BLOCK_N]
+        w = ((q - zeros[None, :]).to(tl.float32) * scales[None, :]).to(x_ptr.dtype.element_ty)
+        a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * s_xk
+        qw_ptrs += BLOCK_K * s_qk
+
+    tl.store(out_ptr + offs_m[:, None] * s_ot + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETED = type(_awq_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    """One device for all, and the one this process's Triton mode can read (see utils/triton_mode)."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
+    if (device.type == "cpu") != INTERPRETED:
+        raise ValueError(f"{__name__}'s kernel was built {'interpreted' if INTERPRETED else 'compiled'} "
+                         f"(TRITON_INTERPRET when triton was imported) and cannot run on {device} tensors: "
+                         f"CPU tensors need TRITON_INTERPRET=1, CUDA tensors need it unset")
+
+
+def tiles_for(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): decode tiles for a few tokens, prefill
+    tiles beyond; BLOCK_K no larger than the group (it must divide it)."""
+    if num_tokens <= DECODE_MAX_TOKENS:
+        tiles = DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES
+    else:
+        tiles = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES
+    block_m, block_n, block_k, warps, stages = tiles
+    if dtype == torch.float32:
+        block_n, block_k = min(block_n, FP32_MAX_BLOCK_N), FP32_BLOCK_K
+    return block_m, block_n, min(block_k, group), warps, stages
+
+
+def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+             group: int = 128) -> torch.Tensor:
+    """x @ awq.dequantize(qweight, qzeros, scales, group), without the dequantized matrix.
+
+    x [T, K] bf16/fp16/fp32; qweight [K, N / 8] int32; qzeros [K / group, N / 8] int32;
+    scales [K / group, N] fp16 (any float dtype is read as given). Returns [T, N] in x.dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be one of {ACTIVATION_DTYPES}, got {x.dtype}")
+    # BLOCK_K = min(tile, group) must divide the group and be a power of two >= 16 (tl.dot)
+    if not isinstance(group, int) or group < 16 or group & (group - 1):
+        raise ValueError(f"group must be a power of two >= 16, got {group!r}")
+    num_tokens, k = x.shape
+    if k % group:
+        raise ValueError(f"x's K ({k}, x {tuple(x.shape)}) must be a multiple of group ({group})")
+    if qweight.dim() != 2 or qweight.shape[0] != k or qweight.dtype != torch.int32:
+        raise ValueError(f"qweight must be int32 [K, N / 8] = [{k}, N / 8] (K from x {tuple(x.shape)}), "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    words = qweight.shape[1]
+    n = words * PACK
+    if tuple(qzeros.shape) != (k // group, words) or qzeros.dtype != torch.int32:
+        raise ValueError(f"qzeros must be int32 [K / group, N / 8] = [{k // group}, {words}], "
+                         f"got {qzeros.dtype} {tuple(qzeros.shape)}")
+    if tuple(scales.shape) != (k // group, n) or not scales.dtype.is_floating_point:
+        raise ValueError(f"scales must be float [K / group, N] = [{k // group}, {n}] (fp16 in AWQ checkpoints), "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    _check_device(x, qweight, qzeros, scales)
+
+    out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_m, block_n, block_k, warps, stages = tiles_for(num_tokens, group, x.dtype)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
+    _awq_gemm_kernel[grid](
+        x, qweight, qzeros, scales, out, num_tokens, n, k,
+        *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *out.stride(),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_IN_FP32=INTERPRETED,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 would otherwise go through TF32
+        num_warps=warps, num_stages=stages)
+    return out

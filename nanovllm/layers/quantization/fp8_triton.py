@@ -1,0 +1,242 @@
+"""The block-scaled FP8 GEMM (W8A8: 128 x 128 weight blocks, activations quantized per token per
+group of 128 at run time) in two Triton launches. fp8.py holds the arithmetic in plain PyTorch;
+this module computes the same thing on the device.
+
+  x [T, K] (bf16/fp16/fp32)   q [N, K] fp8 e4m3   scale_inv [ceil(N / bn), ceil(K / bk)] fp32
+  w[n, k] ~= q[n, k] * scale_inv[n // bn, k // bk]          (block = (bn, bk), (128, 128) in practice)
+
+  _per_token_group_quant_kernel   grid (ceil(T / QUANT_BLOCK_T), ceil(K / bk)): each program takes
+                     one group of bk features of QUANT_BLOCK_T tokens; in each token's group the
+                     largest |x| maps to 448: scale = max(amax / 448, MIN_SCALE),
+                     xq = fp8(clamp(x / scale, -448, 448)); the formula of
+                     fp8.quantize_per_token_group, bit for bit (both divisions correctly rounded).
+  _block_fp8_matmul_kernel        grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): each program owns a
+                     [BLOCK_M, BLOCK_N] output tile and walks K in steps of BLOCK_K:
+                       acc += dot(xq[m, k-tile], q[n, k-tile]^T) * x_scale[m, kb] * w_scale[n // bn, kb]
+                     with kb = k0 // bk. BLOCK_K divides bk, so a K tile lies inside one scale block
+                     and each of its rows (columns) has one activation (weight) scale; the fp8 x fp8
+                     products of a tile are summed by tl.dot, then scaled and added to the fp32
+                     accumulator (what DeepSeek-V3 calls promoting every 128 products: Hopper's fp8
+                     MMA keeps only ~14 bits while it accumulates, so a K tile must not be longer).
+                     The columns' weight scales are looked up per column (offs_n // bn), so BLOCK_N
+                     need not divide bn. Ragged T, N and K are masked (masked loads give 0: padding
+                     adds nothing).
+
+Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on CPU
+tensors through Triton's interpreter, which is how tests/test_quant_kernels.py checks them. The
+interpreter's fp32 -> fp8 cast does not round correctly (triton 3.9: it rounds half up and lets a
+carry out of the mantissa corrupt the exponent), so on CPU the quantization kernel first rounds to
+the nearest e4m3 value in fp32 arithmetic (_round_to_e4m3, ROUND_IN_FP32) and the cast after it is
+exact; on the GPU the hardware cast (round to nearest even) does it. Its tl.dot on fp8 operands is
+exact (it widens them to fp16 and accumulates in fp32), so the GEMM needs no interpreter variant.
+(Its fp32 -> bf16 cast of the output truncates instead of rounding; the tests allow a bf16 ulp.)
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE
+
+# Tiles. The GEMM is a stream over the weight (N * K bytes) with T rows riding along.
+# Decode (T <= DECODE_MAX_TOKENS): one 16-row tile (tl.dot's minimum) holds every token, and narrow
+# N tiles give N / 32 programs (128 for N = 4096, about one per SM of an H200's 132) so the weight
+# stream is spread over the whole chip; 4 stages keep that many K tiles of loads in flight.
+# Prefill: 64 x 128 output tiles reuse each weight tile over 64 tokens (the compute-bound regime);
+# 3 stages of (64 + 128) x 128 fp8 bytes = 72 KB of shared memory.
+DECODE_MAX_TOKENS = 16
+DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_STAGES = 16, 32, 4
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES = 64, 128, 3
+MAX_BLOCK_K = 128              # a K tile of 128: the checkpoints' bk, and DeepSeek-V3's promotion interval
+MIN_BLOCK_K = 32               # fp8 MMA instructions take K in multiples of 32
+NUM_WARPS = 4
+# The quantization kernel: QUANT_BLOCK_T tokens' groups per program ([8, 128] values, 8 per thread
+# of 4 warps), not one group per program, so that a prefill of T tokens is T / 8 * K / 128
+# programs (the interpreter pays milliseconds per program; a GPU, a little per launch of a warp).
+QUANT_BLOCK_T = 8
+QUANT_NUM_WARPS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _round_to_e4m3(y):
+    """y fp32 in [-448, 448] -> the nearest e4m3 value (ties to even), still in fp32.
+
+    e4m3 has 3 mantissa bits, so in the binade [2^e, 2^(e+1)) its values are 2^(e-3) apart; below
+    2^-6 (its smallest normal) the subnormals keep that spacing, 2^-9. Adding c = 1.5 * 2^(u + 23)
+    to |y| < 2^(u + 22) lands in [2^(u + 23), 2^(u + 24)), where fp32's own spacing is 2^u: the fp32
+    addition rounds |y| to a multiple of 2^u, to nearest even, and subtracting c is exact."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)    # floor(log2 |y|), at least e4m3's -6
+    ulp_exp = exponent - 3
+    magic = (((ulp_exp + 23 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)   # 1.5 * 2^(u + 23)
+    rounded = (tl.abs(y) + magic) - magic
+    return tl.where(bits < 0, -rounded, rounded)         # the sign bit, so that -0.0 stays -0.0
+
+
+@triton.jit
+def _per_token_group_quant_kernel(x_ptr, xq_ptr, xs_ptr, T, K,
+                                  s_xt, s_xk, s_qt, s_qk, s_st, s_sg,
+                                  GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+                                  FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """Grid (ceil(T / BLOCK_T), ceil(K / GROUP)): xq[t, group g], xs[t, g] = quantize(x[t, group g])
+    for BLOCK_T tokens t. BLOCK is GROUP rounded up to a power of two (tl.arange needs one)."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1)
+    lane = tl.arange(0, BLOCK)
+    offs_k = g * GROUP + lane
+    ok = (offs_t < T)[:, None] & ((lane < GROUP) & (offs_k < K))[None, :]            # [BLOCK_T, BLOCK]
+    x = tl.load(x_ptr + offs_t[:, None] * s_xt + offs_k[None, :] * s_xk, mask=ok, other=0.0).to(tl.float32)
+    # correctly rounded divisions, as torch's (Triton's plain fp32 `/` is approximate on NVIDIA)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), MIN_SCALE)   # [BLOCK_T]
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    if ROUND_IN_FP32:                                    # the interpreter's fp8 cast needs exact input
+        y = _round_to_e4m3(y)
+    tl.store(xq_ptr + offs_t[:, None] * s_qt + offs_k[None, :] * s_qk, y.to(xq_ptr.dtype.element_ty), mask=ok)
+    tl.store(xs_ptr + offs_t * s_st + g * s_sg, scale, mask=offs_t < T)
+
+
+@triton.jit
+def _block_fp8_matmul_kernel(xq_ptr, xs_ptr, q_ptr, ws_ptr, out_ptr, T, N, K,
+                             s_xt, s_xk, s_xst, s_xsk, s_qn, s_qk, s_wsn, s_wsk, s_ot, s_on,
+                             SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): out[m, n] = sum over K tiles of
+    dot(xq, q^T) * xs[m, kb] * ws[n // SCALE_BLOCK_N, kb], kb = k0 // SCALE_BLOCK_K."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < T
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = xq_ptr + offs_m[:, None] * s_xt + offs_k[None, :] * s_xk        # [BLOCK_M, BLOCK_K]
+    q_ptrs = q_ptr + offs_n[None, :] * s_qn + offs_k[:, None] * s_qk         # [BLOCK_K, BLOCK_N]: q's tile, transposed
+    xs_ptrs = xs_ptr + offs_m * s_xst                                         # [BLOCK_M]
+    ws_ptrs = ws_ptr + (offs_n // SCALE_BLOCK_N) * s_wsn                      # [BLOCK_N]: each column's block row
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(q_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        kb = k0 // SCALE_BLOCK_K                         # the K tile's scale block (BLOCK_K divides it)
+        a_scale = tl.load(xs_ptrs + kb * s_xsk, mask=m_ok, other=0.0)
+        b_scale = tl.load(ws_ptrs + kb * s_wsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        x_ptrs += BLOCK_K * s_xk
+        q_ptrs += BLOCK_K * s_qk
+
+    tl.store(out_ptr + offs_m[:, None] * s_ot + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETED = type(_block_fp8_matmul_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    """One device for all, and the one this process's Triton mode can read (see utils/triton_mode)."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
+    if (device.type == "cpu") != INTERPRETED:
+        raise ValueError(f"{__name__}'s kernels were built {'interpreted' if INTERPRETED else 'compiled'} "
+                         f"(TRITON_INTERPRET when triton was imported) and cannot run on {device} tensors: "
+                         f"CPU tensors need TRITON_INTERPRET=1, CUDA tensors need it unset")
+
+
+def _check_activations(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be one of {ACTIVATION_DTYPES}, got {x.dtype}")
+
+
+def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq fp8 e4m3 [T, K], scales fp32 [T, ceil(K / group)]), bit for bit
+    fp8.quantize_per_token_group(x, group)."""
+    _check_activations(x)
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    _check_device(x)
+    num_tokens, k = x.shape
+    num_groups = triton.cdiv(k, group)
+    xq = torch.empty((num_tokens, k), dtype=FP8, device=x.device)
+    scales = torch.empty((num_tokens, num_groups), dtype=torch.float32, device=x.device)
+    if num_tokens == 0 or k == 0:
+        return xq, scales
+    _per_token_group_quant_kernel[(triton.cdiv(num_tokens, QUANT_BLOCK_T), num_groups)](
+        x, xq, scales, num_tokens, k, *x.stride(), *xq.stride(), *scales.stride(),
+        GROUP=group, BLOCK=triton.next_power_of_2(group), BLOCK_T=QUANT_BLOCK_T, FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE, ROUND_IN_FP32=INTERPRETED, num_warps=QUANT_NUM_WARPS)
+    return xq, scales
+
+
+def block_k_for(bk: int) -> int:
+    """The GEMM's K tile for scale blocks bk wide: the largest power of two <= MAX_BLOCK_K that
+    divides bk (so each K tile has one scale), or a ValueError if that is below MIN_BLOCK_K."""
+    block_k = math.gcd(bk, MAX_BLOCK_K)
+    if block_k < MIN_BLOCK_K:
+        raise ValueError(f"block[1] (bk) must be a multiple of {MIN_BLOCK_K} (the fp8 GEMM's K tile divides it), "
+                         f"got {bk}")
+    return block_k
+
+
+def tiles_for(num_tokens: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages): decode tiles for a few tokens, prefill tiles beyond."""
+    if num_tokens <= DECODE_MAX_TOKENS:
+        return DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_STAGES
+    return PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES
+
+
+def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
+                     block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ w.T with w the block-scaled fp8 weight (q, scale_inv): what fp8.block_fp8_matmul_reference
+    computes (x quantized per token per group of block[1], fp8 x fp8 products, fp32 accumulation).
+
+    x [T, K] bf16/fp16/fp32; q [N, K] float8_e4m3fn; scale_inv [ceil(N / bn), ceil(K / bk)] fp32,
+    block = (bn, bk). Returns [T, N] in out_dtype (default x.dtype)."""
+    _check_activations(x)
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"block must be two positive ints (bn, bk), got {block!r}")
+    bn, bk = block
+    block_k = block_k_for(bk)
+    num_tokens, k = x.shape
+    if q.dim() != 2 or q.shape[1] != k:
+        raise ValueError(f"q must be [N, K] = [N, {k}] (K from x {tuple(x.shape)}), got shape {tuple(q.shape)}")
+    if q.dtype != FP8:
+        raise ValueError(f"q must be {FP8}, got {q.dtype}")
+    n = q.shape[0]
+    scale_shape = (triton.cdiv(n, bn), triton.cdiv(k, bk))
+    if tuple(scale_inv.shape) != scale_shape:
+        raise ValueError(f"scale_inv must be [ceil(N / bn), ceil(K / bk)] = {list(scale_shape)} for q "
+                         f"{tuple(q.shape)} and block {tuple(block)}, got shape {tuple(scale_inv.shape)}")
+    if scale_inv.dtype != torch.float32:
+        raise ValueError(f"scale_inv must be torch.float32, got {scale_inv.dtype}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"out_dtype must be one of {ACTIVATION_DTYPES}, got {out_dtype}")
+    _check_device(x, q, scale_inv)
+
+    out = torch.empty((num_tokens, n), dtype=out_dtype, device=x.device)
+    if num_tokens == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    xq, x_scales = per_token_group_quant(x, bk)          # [T, K] fp8, [T, ceil(K / bk)] fp32
+    block_m, block_n, stages = tiles_for(num_tokens)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
+    _block_fp8_matmul_kernel[grid](
+        xq, x_scales, q, scale_inv, out, num_tokens, n, k,
+        *xq.stride(), *x_scales.stride(), *q.stride(), *scale_inv.stride(), *out.stride(),
+        SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=NUM_WARPS, num_stages=stages)
+    return out
