@@ -1,13 +1,14 @@
 """Attention backends: one interface, chosen once at start-up.
 
 A backend is a class with two static methods:
-  store_kv(k, v, k_cache, v_cache, slot_mapping)  write the step's new K/V ([T, Hkv, D]) into the
-                                                    paged cache ([num_blocks, block_size, Hkv, D])
-  forward(q, k, v, k_cache, v_cache, context, scale) -> [T, H, D]
-                                                    attention of the new queries over each
-                                                    sequence's context (cache + new tokens)
+  store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+      write the step's new K/V ([T, Hkv, D]) into the paged cache ([num_blocks, block_size, Hkv, D])
+  forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale) -> [T, H, D]
+      attention of the new queries over each sequence's context (cache + new tokens)
+k_scale, v_scale (the layer's 0-dim float32 tensors; None: 1.0) are read only when the cache is
+fp8: store_kv quantizes with them and forward dequantizes (torch_ref.py says how).
 
-flash_attn  flash-attn's varlen / kv-cache kernels (CUDA; needs block_size % 256 == 0)
+flash_attn  flash-attn's varlen / kv-cache kernels (CUDA; needs block_size % 256 == 0; no fp8 cache)
 triton      our own kernels (CUDA; on CPU they run under the Triton interpreter, slowly: for tests;
             one of the two per process, see utils/triton_mode.py)
 torch       plain PyTorch, any device: the reference the others are tested against
