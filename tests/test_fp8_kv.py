@@ -1,12 +1,227 @@
-"""FP8 KV cache (kv_cache_dtype="fp8"): the kernels against the torch reference over an fp8 cache."""
+"""FP8 KV cache (kv_cache_dtype="fp8"): the kernels against the torch reference over an fp8 cache,
+and the engine on CPU against its own kv_cache_dtype="auto" runs.
+
+The tiny random models (conftest.py) have large weights (initializer_range 0.2), so e4m3's three
+mantissa bits move their logprobs by tenths of a nat: fp8 runs are compared with tolerances
+against auto runs, and for equality against fp8 runs that differ only in scheduling (prefix
+caching, preemption, tensor parallelism), which must not change what attention sees.
+"""
+import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():  # before anything imports triton (transformers does): see test_triton_backend.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.config import Config  # noqa: E402
+from nanovllm.engine import model_runner  # noqa: E402
+from nanovllm.entrypoints.args import llm_options  # noqa: E402
+from nanovllm.layers.backends import resolve_backend  # noqa: E402
 from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, TorchBackend, quantize_kv  # noqa: E402
+
+MAX_MODEL_LEN = 400
+# Largest |logprob(fp8) - logprob(auto)| of a token both runs list among their top 5, at any
+# position up to the first where their greedy tokens differ. Measured on conftest's 8 prompts
+# with 16 new tokens each: 0.50 nat (torch backend; most positions 0.05-0.2); the bound is 3x.
+LOGPROB_TOL = 1.5
+# The greedy runs agree until a near-tie: where they first differ, the auto run's logprob of its
+# own token exceeds that of fp8's token by at most this much. Measured: 0.32 at most (first
+# differences at positions 0 to 11 of 16; 2 of the 8 sequences agree throughout); 3x again.
+NEAR_TIE = 1.0
+# Triton against the torch reference over the same fp8 cache (their stores are bit-identical, so
+# only fp32 summation order differs): measured 2e-6 nat.
+KERNEL_LOGPROB_TOL = 1e-4
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+
+
+def generate(path, prompts, params=GREEDY, **kwargs):
+    kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+    kwargs.setdefault("device", "cpu")  # (the tolerances were measured there, in float32)
+    with LLM(path, **kwargs) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
+    return outputs, stats
+
+
+def tokens(outputs):
+    return [o["token_ids"] for o in outputs]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
+def compare_logprobs(expected, actual) -> tuple[float, list[int], float]:
+    """(largest logprob difference, per sequence the first position where the greedy tokens
+    differ, largest near-tie margin there) between two runs of the same prompts."""
+    worst, firsts, margin = 0.0, [], 0.0
+    for e, a in zip(expected, actual):
+        first = first_difference(e["token_ids"], a["token_ids"])
+        firsts.append(first)
+        for pos in range(min(first + 1, len(e["token_ids"]))):
+            le, la = e["logprobs"][pos], a["logprobs"][pos]
+            worst = max([worst] + [abs(le[t] - la[t]) for t in set(le) & set(la)])
+        if first < len(e["token_ids"]):
+            le, theirs = e["logprobs"][first], a["token_ids"][first]
+            margin = max(margin, le[e["token_ids"][first]] - le.get(theirs, float("-inf")))
+    return worst, firsts, margin
+
+
+# ---- options ------------------------------------------------------------------------------------
+def test_kv_cache_dtype_values(model_dir):
+    assert Config(model_dir, device="cpu").kv_dtype == torch.float32        # auto: the model's dtype
+    assert Config(model_dir, device="cpu", dtype="bfloat16").kv_dtype == torch.bfloat16
+    for name in ("fp8", "fp8_e4m3"):
+        assert Config(model_dir, device="cpu", kv_cache_dtype=name).kv_dtype == torch.float8_e4m3fn
+    for bad in ("int8", "fp8_e5m2", None):
+        with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
+            Config(model_dir, device="cpu", kv_cache_dtype=bad)
+    assert ("kv_cache_dtype", "auto", str) in llm_options()                # hence the --kv-cache-dtype flag
+
+
+def test_fp8_kv_prefers_a_backend_that_reads_it(monkeypatch):
+    """On CUDA with flash-attn installed, fp8 KV picks triton; flash_attn by name is refused
+    (tests/test_flash_attn_backend.py, with the fake module, checks it through LLM)."""
+    from nanovllm.layers import backends
+    monkeypatch.setattr(backends, "available_backends", lambda device: ["flash_attn", "triton", "torch"])
+    assert resolve_backend(None, "cuda") == "flash_attn"
+    assert resolve_backend(None, "cuda", fp8_kv=True) == "triton"
+    assert resolve_backend(None, "cpu", fp8_kv=True) == "torch"
+    with pytest.raises(ValueError, match="attention_backend='triton' or 'torch', or kv_cache_dtype='auto'"):
+        resolve_backend("flash_attn", "cuda", fp8_kv=True)
+
+
+# ---- sizing -------------------------------------------------------------------------------------
+# A small CPU budget instead of CPU_KV_CACHE_BYTES (2 GiB), so that no count is capped at what
+# max_num_seqs sequences could use, and no test allocates gigabytes. The tiny model's blocks are
+# 8 KiB in float32 (2 layers x K/V x 2 kv heads x 16 dims x 16 tokens x 4 bytes): 128 of them.
+TEST_BUDGET = 1 << 20
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_fp8_blocks_take_one_byte_per_element(monkeypatch, model_dir, draft):
+    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", TEST_BUDGET)
+    extra = {"speculative_config": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}} if draft else {}
+    counts = {}
+    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8")):
+        llm = LLM(model_dir, device="cpu", dtype=dtype, kv_cache_dtype=kv, max_model_len=MAX_MODEL_LEN, **extra)
+        counts[dtype, kv] = llm.stats()["num_blocks"]
+        caches = [llm.model_runner.kv_cache] + ([llm.model_runner.drafter.kv_cache] if draft else [])
+        assert all(c.dtype == (torch.float8_e4m3fn if kv == "fp8" else getattr(torch, dtype)) for c in caches)
+        llm.shutdown()
+    assert counts["float32", "auto"] == TEST_BUDGET // ((2 if draft else 1) * 8192)
+    assert counts["float32", "fp8"] == 4 * counts["float32", "auto"]
+    assert counts["bfloat16", "fp8"] == 2 * counts["bfloat16", "auto"] == counts["float32", "fp8"]
+
+
+# ---- end to end against auto --------------------------------------------------------------------
+def test_fp8_logprobs_close_to_auto(model_dir, prompts):
+    auto, _ = generate(model_dir, prompts)
+    fp8, _ = generate(model_dir, prompts, kv_cache_dtype="fp8")
+    worst, firsts, margin = compare_logprobs(auto, fp8)
+    report = f"max logprob error {worst:.3f}, first differences {firsts}, near-tie margin {margin:.3f}"
+    assert 0 < worst <= LOGPROB_TOL, report                 # (0: the cache was not fp8 at all)
+    assert margin <= NEAR_TIE, report
+
+
+def test_fp8_through_the_triton_kernels(model_dir, prompts):
+    """The same engine run through the interpreted Triton kernels: a chunked prompt, a prefix-
+    cache hit, mixed steps and decode (short: the interpreter is slow). Equal to the torch
+    backend's fp8 run up to fp32 summation order, and close to auto."""
+    if importlib.util.find_spec("triton") is None:  # (not importorskip: importing triton here would pick its mode)
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine Triton runs compiled: test_fp8_decode_graphs_equal_eager_on_gpu covers it")
+    chosen = [prompts[1], prompts[3], prompts[3][:32] + [5, 6]]           # the last one hits the cache
+    options = dict(max_model_len=128, max_num_batched_tokens=24, kvcache_block_size=16, kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    ours, stats = generate(model_dir, chosen, params, attention_backend="triton", **options)
+    reference, _ = generate(model_dir, chosen, params, attention_backend="torch", **options)
+    assert stats["num_cached_tokens"] > 0
+    assert tokens(ours) == tokens(reference)
+    worst, _, _ = compare_logprobs(reference, ours)
+    assert worst <= KERNEL_LOGPROB_TOL
+    auto, _ = generate(model_dir, chosen, params, attention_backend="torch", max_model_len=128)
+    worst, _, margin = compare_logprobs(auto, ours)
+    assert 0 < worst <= LOGPROB_TOL and margin <= NEAR_TIE
+
+
+# ---- scheduling does not change what attention sees --------------------------------------------
+def test_fp8_prefix_cache_hits_give_the_uncached_output(model_dir):
+    """A fresh prompt attends over its quantized K/V, as a later request reading them from the
+    prefix cache does: the same output with and without caching."""
+    shared = list(range(3, 203))                                          # 12 full blocks of 16
+    prompts = [shared + [7 + i] * (i + 1) for i in range(4)]
+    with LLM(model_dir, device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_dtype="fp8") as llm:
+        first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        later = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(o["num_cached_tokens"] == 192 for o in later)
+    uncached, _ = generate(model_dir, prompts, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    assert tokens(first + later) == tokens(uncached)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_fp8_preemption_and_chunking_give_the_same_output(model_dir, prompts, async_scheduling):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain, _ = generate(model_dir, prompts, params, kv_cache_dtype="fp8")
+    # 25 blocks of 16 tokens hold one max_model_len sequence: the 8 prompts take turns
+    squeezed, stats = generate(model_dir, prompts, params, kv_cache_dtype="fp8", num_kvcache_blocks=25,
+                               max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    assert stats["num_preemptions"] > 0
+    assert tokens(squeezed) == tokens(plain)
+
+
+def test_fp8_tensor_parallel_equals_one_rank(model_dir, prompts):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    one, _ = generate(model_dir, prompts[:5], params, kv_cache_dtype="fp8")
+    two, _ = generate(model_dir, prompts[:5], params, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    assert tokens(two) == tokens(one)
+
+
+# ---- checkpoint scales --------------------------------------------------------------------------
+def with_scales(model_dir, folder, k_scale, v_scale, num_layers=2):
+    """A copy of the model whose checkpoint has vLLM's per-layer k_scale (a scalar) and v_scale
+    (shape [1]) tensors."""
+    shutil.copytree(model_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    for i in range(num_layers):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v_scale], dtype=torch.float32)
+    save_file(weights, folder / "model.safetensors")
+    return str(folder)
+
+
+def test_checkpoint_scales_reach_the_layers(model_dir, prompts, tmp_path):
+    # not powers of two: those would scale every K/V exactly, giving the bits of scale 1
+    path = with_scales(model_dir, tmp_path / "scaled", 0.3, 0.7)
+    scaled, _ = generate(path, prompts, kv_cache_dtype="fp8")
+    with LLM(path, device="cpu", max_model_len=MAX_MODEL_LEN, kv_cache_dtype="fp8") as llm:
+        layers = llm.model_runner.attention_layers
+        assert [(a.k_scale.item(), a.v_scale.item()) for a in layers] == [(pytest.approx(0.3), pytest.approx(0.7))] * 2
+    unit, _ = generate(model_dir, prompts, kv_cache_dtype="fp8")
+    worst, _, _ = compare_logprobs(unit, scaled)
+    assert worst > 0, "the checkpoint's scales changed nothing"
+    auto, _ = generate(model_dir, prompts)
+    worst, _, margin = compare_logprobs(auto, scaled)  # still the model's attention: scaled back on reading
+    assert worst <= LOGPROB_TOL and margin <= NEAR_TIE
+
+
+def test_auto_ignores_checkpoint_scales(model_dir, prompts, tmp_path):
+    path = with_scales(model_dir, tmp_path / "scaled", 0.3, 0.7)
+    assert tokens(generate(path, prompts[:4])[0]) == tokens(generate(model_dir, prompts[:4])[0])
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_bad_checkpoint_scale_is_a_value_error(model_dir, tmp_path, bad):
+    path = with_scales(model_dir, tmp_path / "bad", 0.5, bad)
+    with pytest.raises(ValueError, match=r"'model\.layers\.\d\.self_attn\.v_scale'.*positive finite"):
+        LLM(path, device="cpu", kv_cache_dtype="fp8")
 
 
 # ---- kernels: Triton (interpreted on CPU) against the torch reference ----------------------------
@@ -125,3 +340,16 @@ def test_kernel_fresh_prefill_attends_over_the_quantized_kv(kt, k_scale, v_scale
     assert_close(kt, out, ref, v_scale)
     unquantized = TorchBackend.forward(q.cpu(), k.cpu(), v.cpu(), None, None, ref_context, 0.25)
     assert not torch.allclose(ref, unquantized, atol=1e-3 * v_scale, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fp8_decode_graphs_equal_eager_on_gpu(model_dir, prompts):
+    """Replayed CUDA graphs read the layers' scales from device memory: the same tokens as eager
+    decode, with checkpoint-free scales and the triton backend, in bf16."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    options = dict(device="cuda", dtype="bfloat16", attention_backend="triton", kv_cache_dtype="fp8",
+                   max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
+    graphs, _ = generate(model_dir, prompts, params, **options)
+    eager, _ = generate(model_dir, prompts, params, enforce_eager=True, **options)
+    assert tokens(graphs) == tokens(eager)

@@ -91,12 +91,15 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
                 except ShapeMismatch as e:
                     raise ValueError(f"tensor {name!r} in {file!r} has shape {e.found}, but config.json implies "
                                      f"{e.expected}; is config.json right for these weights?") from None
+                except ValueError as e:  # a loader that refuses the values (a KV-cache scale of 0)
+                    raise ValueError(f"tensor {name!r} in {file!r}: {e}") from None
                 loaded.add(target)
     if unexpected:
         raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: {unexpected[:5]}"
                          f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
     shared = {n for n, p in params.items() if any(p is params[m] for m in loaded)}  # tied weights
-    missing = sorted(set(params) - loaded - shared)
+    # (parameters marked optional, such as the KV-cache scales, keep their defaults when absent)
+    missing = sorted(n for n in set(params) - loaded - shared if not getattr(params[n], "optional", False))
     missing += [f"{name}.{shard}" for name, module in model.named_modules() if hasattr(module, "missing_shards")
                 for shard in module.missing_shards()]
     if missing:
@@ -109,6 +112,8 @@ def load_dummy(model: nn.Module, seed: int = 0):
     """Random weights of the right shapes; norms stay at 1 so activations keep a sane scale."""
     generators = {}
     for name, param in model.named_parameters():
+        if getattr(param, "optional", False):  # (KV-cache scales: random ones would be negative)
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:
