@@ -236,6 +236,15 @@ def test_auto_ignores_checkpoint_scales(model_dir, prompts, tmp_path):
     assert tokens(generate(path, prompts[:4])[0]) == tokens(generate(model_dir, prompts[:4])[0])
 
 
+def test_dummy_weights_keep_unit_scales(model_dir):
+    """load_format="dummy" draws every weight at random, but not the optional scales (random ones
+    near 0, or negative, would make the cache useless)."""
+    with LLM(model_dir, device="cpu", load_format="dummy", kv_cache_dtype="fp8", max_model_len=64) as llm:
+        assert all(a.k_scale.item() == a.v_scale.item() == 1.0 for a in llm.model_runner.attention_layers)
+        [out] = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out["token_ids"]) == 3
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
 def test_bad_checkpoint_scale_is_a_value_error(model_dir, tmp_path, bad):
     path = with_scales(model_dir, tmp_path / "bad", 0.5, bad)
