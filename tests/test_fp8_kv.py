@@ -206,12 +206,13 @@ def test_fp8_draft_model_speculation_equals_plain_decoding(model_dir, prompts):
 # ---- checkpoint scales --------------------------------------------------------------------------
 def with_scales(model_dir, folder, k_scale, v_scale, num_layers=2):
     """A copy of the model whose checkpoint has vLLM's per-layer k_scale (a scalar) and v_scale
-    (shape [1]) tensors."""
+    (shape [1]; a list: that many values) tensors."""
     shutil.copytree(model_dir, folder)
     weights = load_file(folder / "model.safetensors")
     for i in range(num_layers):
         weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
-        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([v_scale], dtype=torch.float32)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale if isinstance(v_scale, list) else [v_scale],
+                                                                      dtype=torch.float32)
     save_file(weights, folder / "model.safetensors")
     return str(folder)
 
@@ -245,10 +246,11 @@ def test_dummy_weights_keep_unit_scales(model_dir):
     assert len(out["token_ids"]) == 3
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), [0.5, 0.5]])
 def test_bad_checkpoint_scale_is_a_value_error(model_dir, tmp_path, bad):
     path = with_scales(model_dir, tmp_path / "bad", 0.5, bad)
-    with pytest.raises(ValueError, match=r"'model\.layers\.\d\.self_attn\.v_scale'.*positive finite"):
+    what = "one number" if isinstance(bad, list) else "positive finite"
+    with pytest.raises(ValueError, match=rf"'model\.layers\.\d\.self_attn\.v_scale'.*{what}"):
         LLM(path, device="cpu", kv_cache_dtype="fp8")
 
 

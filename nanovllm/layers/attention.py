@@ -2,7 +2,6 @@ import torch
 from torch import nn
 
 from nanovllm.utils.context import get_context
-from nanovllm.utils.loader import ShapeMismatch
 
 
 class Attention(nn.Module):
@@ -42,9 +41,10 @@ class Attention(nn.Module):
     def weight_loader(param: nn.Parameter, loaded: torch.Tensor):
         """A checkpoint's k_scale / v_scale: one positive finite number (a scalar or shape [1]).
         A ValueError otherwise (the loader names the tensor): a scale of 0 would make every K/V
-        infinite, a negative one flip their signs."""
+        infinite, a negative one flip their signs; per-head or per-channel scales are not read."""
         if loaded.numel() != 1 or loaded.dim() > 1:
-            raise ShapeMismatch((), tuple(loaded.shape))
+            raise ValueError(f"a KV-cache scale must be one number (a scalar or shape [1]), got shape "
+                             f"{tuple(loaded.shape)}")
         value = loaded.float().reshape(())
         if not (torch.isfinite(value) and value > 0):
             raise ValueError(f"a KV-cache scale must be a positive finite number, got {value.item()}")
