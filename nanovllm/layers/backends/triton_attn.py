@@ -43,8 +43,9 @@ Softmax runs in base 2 (exp2 of scores pre-multiplied by scale * log2(e)). The r
 at a large negative *finite* number, so a row that has seen no valid key yet gets
 exp2(-inf - NEG_BIG) = 0 and alpha = exp2(0) = 1 instead of NaN from (-inf) - (-inf).
 
-An fp8 KV cache (KV_FP8, a constexpr: an unquantized cache compiles the same kernels as without
-it) holds fp8(clamp(K / k_scale)) and likewise V (torch_ref.py). _store_kv_kernel quantizes on the
+An fp8 KV cache holds fp8(clamp(K / k_scale)) and likewise V (torch_ref.py). KV_FP8 is a
+constexpr: with it off the kernels compile to the same code as before fp8 (their two scale
+pointers are never read), so an unquantized cache pays nothing. _store_kv_kernel quantizes on the
 way in; the attention kernels load fp8 tiles and convert them to the query's dtype (exact: every
 e4m3 value is a bf16, fp16 and fp32 value), then fold the scales in rather than multiplying each
 element: q.(k_scale * k) = k_scale * (q.k), so k_scale joins the softmax scale, and
