@@ -113,7 +113,8 @@ TEST_BUDGET = 1 << 20
 @pytest.mark.parametrize("draft", [False, True])
 def test_fp8_blocks_take_one_byte_per_element(monkeypatch, model_dir, draft):
     monkeypatch.setattr(model_runner, "CPU_KV_CACHE_BYTES", TEST_BUDGET)
-    extra = {"speculative_config": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}} if draft else {}
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}
+    extra = {"speculative_config": spec} if draft else {}
     counts = {}
     for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8")):
         llm = LLM(model_dir, device="cpu", dtype=dtype, kv_cache_dtype=kv, max_model_len=MAX_MODEL_LEN, **extra)
@@ -211,8 +212,8 @@ def with_scales(model_dir, folder, k_scale, v_scale, num_layers=2):
     weights = load_file(folder / "model.safetensors")
     for i in range(num_layers):
         weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
-        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale if isinstance(v_scale, list) else [v_scale],
-                                                                      dtype=torch.float32)
+        values = v_scale if isinstance(v_scale, list) else [v_scale]
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(values, dtype=torch.float32)
     save_file(weights, folder / "model.safetensors")
     return str(folder)
 
@@ -320,7 +321,8 @@ def test_kernel_store_kv_fp8_bytes_equal_the_reference(kt, block_size, num_kv_he
 
 
 @pytest.mark.parametrize("k_scale, v_scale", SCALES)
-@pytest.mark.parametrize("num_heads, num_kv_heads, block_size, num_splits", [(4, 4, 16, 1), (4, 2, 8, 3), (8, 2, 16, 4)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size, num_splits",
+                         [(4, 4, 16, 1), (4, 2, 8, 3), (8, 2, 16, 4)])
 def test_kernel_decode_over_fp8_cache(kt, num_heads, num_kv_heads, block_size, num_splits, k_scale, v_scale):
     gen = torch.Generator().manual_seed(num_heads * 100 + block_size + num_splits)
     lens = [1, block_size, block_size + 1, 37, 130]
