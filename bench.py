@@ -204,7 +204,8 @@ def run_nanovllm(args, path, prompts, max_tokens):
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling,
-              speculative_config=args.speculative_config, quantization=args.quantization)
+              speculative_config=args.speculative_config, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     weights = weight_bytes(llm.model_runner.model)
     warm_up(llm, prompts)                                   # not timed; the recorder counts from here
     recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
@@ -341,6 +342,7 @@ def parse_args(argv=None):
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--quantization", choices=["fp8", "awq"], help="fp8: quantize the weights at load; a quantized "
                    "checkpoint (or preset: qwen3-0.6b-fp8, -awq) needs none")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an e4m3 KV cache")
     p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     p.add_argument("--repetitive", action="store_true",
                    help="prompts that repeat a phrase of 8 tokens (text that quotes itself: n-gram drafts can hit)")

@@ -14,6 +14,10 @@ from nanovllm.models import resolve_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
+# kv_cache_dtype (vLLM's names) -> the paged cache's element type; "auto" (None): the model's dtype.
+# fp8 is e4m3 (3 mantissa bits, range +-448), as vLLM's "fp8": K/V need its precision more
+# than e5m2's wider range.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # flash-attn's paged kernels index the KV cache in pages of 256 tokens; other backends take any size,
 # and 16 keeps the last, partly filled block of each sequence small.
 FLASH_ATTN_BLOCK_SIZE = 256
@@ -152,6 +156,7 @@ class Config:
     async_scheduling: bool = True
     attention_backend: str | None = None
     load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
     speculative_config: dict | str | None = None
     quantization: str | None = None
     speculative: SpeculativeConfig | None = field(init=False, default=None)
@@ -186,6 +191,8 @@ class Config:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
 
         if self.device is None:
@@ -214,7 +221,8 @@ class Config:
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.draft_hf_config = self.speculative.draft_hf_config(self.hf_config, self.max_model_len)
 
-        self.attention_backend = resolve_backend(self.attention_backend, self.device)
+        self.attention_backend = resolve_backend(self.attention_backend, self.device,
+                                                 fp8_kv=KV_CACHE_DTYPES[self.kv_cache_dtype] is not None)
         if self.attention_backend == "flash_attn" and self.block_size % FLASH_ATTN_BLOCK_SIZE:
             raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
@@ -260,6 +268,11 @@ class Config:
         if self.kvcache_block_size is not None:
             return self.kvcache_block_size
         return FLASH_ATTN_BLOCK_SIZE if self.attention_backend == "flash_attn" else DEFAULT_BLOCK_SIZE
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The paged KV cache's element type: float8_e4m3fn for kv_cache_dtype "fp8", else the model's dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -23,6 +23,11 @@ class LLM(LLMEngine):
         one (False: the plain synchronous loop; the outputs are the same).
     attention_backend: "flash_attn", "triton", "torch" or None (the best available).
     load_format: "auto" (safetensors) or "dummy" (random weights, for benchmarks).
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (= "fp8_e4m3"): the paged KV cache holds
+        float8_e4m3fn, twice the tokens of bf16 in the same memory; each layer's K and V are
+        divided by its k_scale / v_scale on store (1.0, or the checkpoint's
+        model.layers.N.self_attn.k_scale / .v_scale) and dequantized inside the attention
+        kernels. Backends "triton" and "torch" (not "flash_attn").
     speculative_config: speculative decoding, with vLLM's names: {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt
         lookup), or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}
@@ -42,7 +47,8 @@ class LLM(LLMEngine):
                  gpu_memory_utilization: float = 0.9, kvcache_block_size: int | None = None,
                  num_kvcache_blocks: int | None = None, enable_prefix_caching: bool = True,
                  async_scheduling: bool = True, attention_backend: str | None = None, load_format: str = "auto",
-                 speculative_config: dict | str | None = None, quantization: str | None = None):
+                 kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
+                 quantization: str | None = None):
         super().__init__(Config(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -50,4 +56,4 @@ class LLM(LLMEngine):
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             attention_backend=attention_backend, load_format=load_format,
-            speculative_config=speculative_config, quantization=quantization))
+            kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config, quantization=quantization))

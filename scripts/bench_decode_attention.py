@@ -2,11 +2,12 @@
 device's copy bandwidth it reaches.
 
 A decode step reads every sequence's whole K and V once (2 * batch * context * Hkv * D * itemsize
-bytes) and little else, so its speed limit is memory bandwidth. The reference point is a large
-device-to-device copy, timed the same way ((read + write) bytes / time).
+bytes, itemsize 1 for an fp8 cache) and little else, so its speed limit is memory bandwidth. The
+reference point is a large device-to-device copy, timed the same way ((read + write) bytes / time).
 
     python scripts/bench_decode_attention.py                       # CUDA, the defaults below
     python scripts/bench_decode_attention.py --cuda-graph          # also time a captured replay
+    python scripts/bench_decode_attention.py --kv-cache-dtype fp8  # over an fp8 (e4m3) cache
     python scripts/bench_decode_attention.py --device cpu --batch 2 --context 40 --head-dim 32 \\
         --dtype float32 --iters 1                                  # interpreter smoke run
 
@@ -23,6 +24,12 @@ COPY_BYTES = 1 << 30             # 1 GiB: far beyond the L2 cache (H200: 50 MB),
 CPU_COPY_BYTES = 1 << 24         # 16 MiB on CPU: the smoke run only needs a number
 CHECK_SEQS = 4                   # sequences compared against TorchBackend
 CHECK_TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}   # max abs error allowed vs the fp32 reference
+# An fp8 cache is checked against TorchBackend over the same fp8 cache and scales: both read the
+# same e4m3 values, which the kernel converts to the query's dtype exactly, so the tolerance is
+# the query dtype's, as above (the quantization's own error is not the kernel's to check).
+# The fp8 cache's k_scale and v_scale. Not 1, so that the check sees a kernel that ignores them:
+# randn values (|x| < 7 even over 10^9 draws) / 0.02 stay inside e4m3's +-448.
+KV_SCALE = 0.02
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(CHECK_TOL))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the cache in --dtype; fp8: in float8_e4m3fn, dequantized inside the kernel")
     p.add_argument("--iters", type=int, default=50, help="timed calls (after as many warm-up calls, at most 10)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu runs the kernels under TRITON_INTERPRET=1 (tiny sizes only)")
@@ -99,7 +108,8 @@ def copy_bandwidth(device: str, timer, iters: int) -> float:
 
 def build_step(args, torch, Context):
     """A decode-only step: `batch` sequences of `context` tokens each, their blocks a random
-    permutation of the cache, the block table as wide as the longest context."""
+    permutation of the cache, the block table as wide as the longest context; with
+    --kv-cache-dtype fp8 the cache holds those K/V quantized (scales KV_SCALE)."""
     device, dtype = args.device, getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
     blocks_per_seq = -(-args.context // args.block_size)
@@ -112,6 +122,10 @@ def build_step(args, torch, Context):
     else:
         k_cache = torch.randn(shape, generator=gen).to(dtype)
         v_cache = torch.randn(shape, generator=gen).to(dtype)
+    if args.kv_cache_dtype == "fp8":
+        from nanovllm.layers.backends.torch_ref import quantize_kv
+        scale = torch.tensor(KV_SCALE, device=device)
+        k_cache, v_cache = quantize_kv(k_cache, scale), quantize_kv(v_cache, scale)
     tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(args.batch, blocks_per_seq)
     q = torch.randn(args.batch, args.num_heads, args.head_dim, generator=gen).to(dtype).to(device)
     lens = [args.context] * args.batch
@@ -123,16 +137,20 @@ def build_step(args, torch, Context):
     return q, k_cache, v_cache, context
 
 
-def check(out, q, k_cache, v_cache, context, scale, args, torch, Context, TorchBackend) -> float:
-    """Max abs error of the first CHECK_SEQS sequences against TorchBackend in fp32 on the host."""
+def check(out, q, k_cache, v_cache, context, scale, args, torch, Context, TorchBackend, kv_scales) -> float:
+    """Max abs error of the first CHECK_SEQS sequences against TorchBackend in fp32 on the host
+    (an fp8 cache stays fp8 there: the reference dequantizes it with the same scales)."""
     n = min(CHECK_SEQS, args.batch)
     used = context.block_tables[:n].flatten().long()
     # only the blocks those sequences use, renumbered, so the host copy stays small
-    k_small, v_small = k_cache[used].float().cpu(), v_cache[used].float().cpu()
+    k_small, v_small = k_cache[used].cpu(), v_cache[used].cpu()
+    if args.kv_cache_dtype == "auto":
+        k_small, v_small = k_small.float(), v_small.float()
     tables = torch.arange(len(used), dtype=torch.int32).view(n, -1)
     lens = context.seq_lens_k_cpu[:n]
     small = Context(block_tables=tables, decode_only=True, cu_seqlens_q_cpu=list(range(n + 1)), seq_lens_k_cpu=lens)
-    ref = TorchBackend.forward(q[:n].float().cpu(), None, None, k_small, v_small, small, scale)
+    ref = TorchBackend.forward(q[:n].float().cpu(), None, None, k_small, v_small, small, scale,
+                               *(s.cpu() for s in kv_scales))
     return (out[:n].float().cpu() - ref).abs().max().item()
 
 
@@ -147,23 +165,26 @@ def main(argv=None) -> dict:
 
     q, k_cache, v_cache, context = build_step(args, torch, Context)
     scale = args.head_dim ** -0.5
+    kv_scales = (torch.tensor(KV_SCALE, device=q.device), torch.tensor(KV_SCALE, device=q.device))  # (read if fp8)
     num_splits = triton_attn.decode_num_splits(args.batch, args.num_kv_heads, context.block_tables.shape[1] * args.block_size,
                                                triton_attn._num_sms(q.device))
-    forward = lambda: triton_attn.TritonBackend.forward(q, None, None, k_cache, v_cache, context, scale)  # noqa: E731
+    forward = lambda: triton_attn.TritonBackend.forward(q, None, None, k_cache, v_cache, context, scale,  # noqa: E731
+                                                        *kv_scales)
     timer = _timer(args.device)
 
     out = forward()                                      # compiles (or interprets) once
     warmup = min(args.iters, 10)
     timer(forward, warmup)
     seconds = timer(forward, args.iters)
-    error = check(out, q, k_cache, v_cache, context, scale, args, torch, Context, TorchBackend)
+    error = check(out, q, k_cache, v_cache, context, scale, args, torch, Context, TorchBackend, kv_scales)
 
-    itemsize = k_cache.element_size()
+    itemsize = k_cache.element_size()           # 1 for fp8
     kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * itemsize
     bandwidth = kv_bytes / seconds
     copy_bw = copy_bandwidth(args.device, timer, args.iters)
     result = dict(batch=args.batch, context=args.context, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                  head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, device=args.device,
+                  head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype,
+                  kv_cache_dtype=args.kv_cache_dtype, device=args.device,
                   num_splits=num_splits, time_per_call_s=seconds, kv_bytes=kv_bytes, bandwidth_gbs=bandwidth / 1e9,
                   copy_bandwidth_gbs=copy_bw / 1e9, fraction_of_copy=bandwidth / copy_bw,
                   max_abs_error=error, check_ok=error <= CHECK_TOL[args.dtype])
@@ -185,7 +206,8 @@ def main(argv=None) -> dict:
                       graph_matches_eager=bool(torch.equal(graph_out, out)))
 
     print(f"decode attention: batch {args.batch} x context {args.context}, heads {args.num_heads}/{args.num_kv_heads}, "
-          f"head_dim {args.head_dim}, block_size {args.block_size}, {args.dtype} on {args.device}, "
+          f"head_dim {args.head_dim}, block_size {args.block_size}, {args.dtype} "
+          f"(KV cache {str(k_cache.dtype).removeprefix('torch.')}) on {args.device}, "
           f"num_splits {num_splits}")
     print(f"  time per call      {seconds * 1e6:12.1f} us")
     print(f"  KV bytes per call  {kv_bytes:12d}  ({kv_bytes / 2**20:.1f} MiB)")

@@ -96,3 +96,10 @@ def test_unavailable_backend_is_a_clear_error(model_dir):
         pytest.skip("the real flash_attn is installed here: nothing to refuse")
     with pytest.raises(ValueError, match="attention_backend='flash_attn' is not available"):
         LLM(model_dir, attention_backend="flash_attn")
+
+
+def test_fp8_kv_cache_is_refused(fake_flash_attn, model_dir):
+    """flash-attn's paged kernels read K/V in the query's dtype only: an fp8 cache with our
+    per-layer scales is a clear error at start-up, naming what works instead."""
+    with pytest.raises(ValueError, match="cannot read an fp8 KV cache.*'triton' or 'torch', or kv_cache_dtype='auto'"):
+        LLM(model_dir, attention_backend="flash_attn", kv_cache_dtype="fp8")

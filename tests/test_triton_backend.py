@@ -645,6 +645,21 @@ def test_bench_decode_attention_cpu_smoke(capsys):
     assert "GB/s" in out and "max abs error" in out
 
 
+def test_bench_decode_attention_fp8_cpu_smoke(capsys):
+    """The fp8 twin: the kernel over a float8_e4m3fn cache, its bytes counted at 1 per element."""
+    if DEVICE != "cpu":
+        pytest.skip("the CPU smoke run is for interpreter machines")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_decode_attention
+    result = bench_decode_attention.main(["--device", "cpu", "--batch", "3", "--context", "40", "--num-heads", "4",
+                                          "--num-kv-heads", "2", "--head-dim", "32", "--block-size", "16",
+                                          "--dtype", "float32", "--iters", "1", "--kv-cache-dtype", "fp8"])
+    out = capsys.readouterr().out
+    assert result["check_ok"] and result["kv_cache_dtype"] == "fp8"
+    assert result["kv_bytes"] == 2 * 3 * 40 * 2 * 32 * 1
+    assert "float8_e4m3fn" in out and "max abs error" in out
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the engine-level CPU run needs the interpreter; test_gpu.py covers CUDA")
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_engine_on_cpu_with_triton_matches_hf(model_dir, prompts, reference, block_size):

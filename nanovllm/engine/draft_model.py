@@ -81,12 +81,12 @@ class DraftModel:
         self.graphs: DecodeGraphs | None = None
 
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.attention_layers, self.config.block_size, self.config.dtype)
+        return kv_block_bytes(self.attention_layers, self.config.block_size, self.config.kv_dtype)
 
     def bind_kv_cache(self, num_blocks: int | None):
-        """Its cache of the runner's num_blocks blocks (None: unbind and free it)."""
+        """Its cache of the runner's num_blocks blocks, in the target's KV dtype (None: unbind and free it)."""
         self.kv_cache = None
-        self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.config.block_size, self.config.dtype,
+        self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.config.block_size, self.config.kv_dtype,
                                       self.runner.device)
 
     def capture_graphs(self, largest_only: bool = False, show_progress: bool = False) -> DecodeGraphs:

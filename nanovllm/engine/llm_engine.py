@@ -107,9 +107,10 @@ class LLMEngine:
         logger.info("Model %s: %s, dtype %s, device %s, attention backend %s, tensor_parallel_size %d",
                     c.model, type(runner.model).__name__, str(c.dtype).removeprefix("torch."), c.device,
                     c.attention_backend, c.tensor_parallel_size)
-        logger.info("Weights: %s%s. KV cache: %d blocks x %d tokens = %d tokens, %s%s",
+        logger.info("Weights: %s%s. KV cache: %d blocks x %d tokens = %d tokens, %s%s, %s",
                     format_bytes(sum(p.nbytes for p in runner.model.parameters())), per_rank, num_blocks,
-                    c.block_size, num_tokens, format_bytes(runner.kv_cache.nbytes), per_rank)
+                    c.block_size, num_tokens, format_bytes(runner.kv_cache.nbytes), per_rank,
+                    str(c.kv_dtype).removeprefix("torch."))
         logger.info("Maximum concurrency for %d tokens per request: %.2fx. CUDA graphs: %s", c.max_model_len,
                     num_tokens / c.max_model_len,
                     f"{len(graphs.sizes)} batch sizes captured in {graphs.capture_s:.1f} s" if graphs else "off")

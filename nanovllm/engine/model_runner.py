@@ -268,7 +268,7 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block, the draft model's part included (its cache has the same blocks)."""
-        own = kv_block_bytes(self.attention_layers, self.block_size, self.config.dtype)
+        own = kv_block_bytes(self.attention_layers, self.block_size, self.config.kv_dtype)
         return own + (self.drafter.kv_block_bytes() if self.drafter is not None else 0)
 
     def _num_kv_blocks(self) -> int:
@@ -329,7 +329,7 @@ class ModelRunner:
         """Allocate a KV cache of num_blocks usable blocks and hand each attention layer its slices
         (None: unbind and free it)."""
         self.kv_cache = None  # (the old one is freed before the new one is allocated)
-        self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.config.dtype,
+        self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.config.kv_dtype,
                                       self.device)
         if self.drafter is not None:
             self.drafter.bind_kv_cache(num_blocks)

@@ -180,7 +180,10 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
         """Where checkpoint tensor `name` goes: (our parameter's name, shard id or None). A name
-        that `packed_modules_mapping` lists goes to the packed parameter, with its shard id."""
+        that `packed_modules_mapping` lists goes to the packed parameter, with its shard id; a
+        layer's KV-cache scales (self_attn.k_scale / v_scale) to its Attention module's."""
+        if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+            return name.replace(".self_attn.", ".self_attn.attn."), None
         for part, (packed_part, shard_id) in self.packed_modules_mapping.items():
             if part in name:
                 return name.replace(part, packed_part), shard_id

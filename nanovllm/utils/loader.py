@@ -15,7 +15,8 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 DUMMY_WEIGHT_RANGE = 1e-3
 # Quantized dummy weights: scales that map random codes (fp8 in [-1, 1]; int4 codes minus zero
 # points in [-15, 15]) to about the same range.
-DUMMY_SCALES = {"weight_scale_inv": DUMMY_WEIGHT_RANGE, "scales": DUMMY_WEIGHT_RANGE / 15}
+# By name ending: block-FP8 scales (weight_scale_inv, an MoE's w13_scale_inv) and AWQ's scales.
+DUMMY_SCALES = {"scale_inv": DUMMY_WEIGHT_RANGE, "scales": DUMMY_WEIGHT_RANGE / 15}
 
 
 class ShapeMismatch(Exception):
@@ -94,12 +95,15 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
                 except ShapeMismatch as e:
                     raise ValueError(f"tensor {name!r} in {file!r} has shape {e.found}, but config.json implies "
                                      f"{e.expected}; is config.json right for these weights?") from None
+                except ValueError as e:  # a loader that refuses the values (a KV-cache scale of 0)
+                    raise ValueError(f"tensor {name!r} in {file!r}: {e}") from None
                 loaded.add(target)
     if unexpected:
         raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: {unexpected[:5]}"
                          f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
     shared = {n for n, p in params.items() if any(p is params[m] for m in loaded)}  # tied weights
-    missing = sorted(set(params) - loaded - shared)
+    # (parameters marked optional, such as the KV-cache scales, keep their defaults when absent)
+    missing = sorted(n for n in set(params) - loaded - shared if not getattr(params[n], "optional", False))
     missing += [f"{name}.{shard}" for name, module in model.named_modules() if hasattr(module, "missing_shards")
                 for shard in module.missing_shards()]
     if missing:
@@ -125,13 +129,15 @@ def load_dummy(model: nn.Module, seed: int = 0):
     bring their weights to the same small range."""
     generators = {}
     for name, param in model.named_parameters():
+        if getattr(param, "optional", False):  # (KV-cache scales: random ones would be negative)
+            continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         generator = generators[param.device]
         if "norm" in name:
             param.fill_(1.0)
         elif name.endswith(tuple(DUMMY_SCALES)):
-            param.fill_(DUMMY_SCALES[name.rpartition(".")[2]])
+            param.fill_(next(v for k, v in DUMMY_SCALES.items() if name.endswith(k)))
         elif param.dtype == torch.int32:  # packed int4 words
             param.random_(generator=generator)
         elif param.dtype.itemsize == 1:   # fp8 codes (uniform_ takes no fp8 tensor)

@@ -1,13 +1,14 @@
 """Attention backends: one interface, chosen once at start-up.
 
 A backend is a class with two static methods:
-  store_kv(k, v, k_cache, v_cache, slot_mapping)  write the step's new K/V ([T, Hkv, D]) into the
-                                                    paged cache ([num_blocks, block_size, Hkv, D])
-  forward(q, k, v, k_cache, v_cache, context, scale) -> [T, H, D]
-                                                    attention of the new queries over each
-                                                    sequence's context (cache + new tokens)
+  store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+      write the step's new K/V ([T, Hkv, D]) into the paged cache ([num_blocks, block_size, Hkv, D])
+  forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale) -> [T, H, D]
+      attention of the new queries over each sequence's context (cache + new tokens)
+k_scale, v_scale (the layer's 0-dim float32 tensors; None: 1.0) are read only when the cache is
+fp8: store_kv quantizes with them and forward dequantizes (torch_ref.py says how).
 
-flash_attn  flash-attn's varlen / kv-cache kernels (CUDA; needs block_size % 256 == 0)
+flash_attn  flash-attn's varlen / kv-cache kernels (CUDA; needs block_size % 256 == 0; no fp8 cache)
 triton      our own kernels (CUDA; on CPU they run under the Triton interpreter, slowly: for tests;
             one of the two per process, see utils/triton_mode.py)
 torch       plain PyTorch, any device: the reference the others are tested against
@@ -18,6 +19,9 @@ from nanovllm.layers.backends.torch_ref import TorchBackend
 from nanovllm.utils.triton_mode import import_kernels
 
 BACKENDS = ("flash_attn", "triton", "torch")
+# Backends whose kernels read an fp8 KV cache with our per-layer scales. flash-attn 2's paged
+# kernels take K/V in the query's dtype only.
+FP8_KV_BACKENDS = ("triton", "torch")
 
 
 def _installed(module: str) -> bool:
@@ -30,17 +34,23 @@ def available_backends(device: str) -> list[str]:
     return found + ["torch"]
 
 
-def resolve_backend(name: str | None, device: str) -> str:
-    """The backend to use: the named one if it is available, else (None) the best for device.
-    On CPU the default is torch: the others run there only as integration tests."""
+def resolve_backend(name: str | None, device: str, fp8_kv: bool = False) -> str:
+    """The backend to use: the named one if it is available, else (None) the best for device
+    (fp8_kv: the best that reads an fp8 KV cache). On CPU the default is torch: the others run
+    there only as integration tests."""
     available = available_backends(device)
     if name is None:
-        return available[0] if device == "cuda" else "torch"
+        if device != "cuda":
+            return "torch"
+        return next(b for b in available if not fp8_kv or b in FP8_KV_BACKENDS)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be None or one of {BACKENDS}, got {name!r}")
     if name not in available:
         raise ValueError(f"attention_backend={name!r} is not available on device={device!r} "
                          f"(is the {name} package installed?); available here: {available}")
+    if fp8_kv and name not in FP8_KV_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} cannot read an fp8 KV cache (kv_cache_dtype='fp8'): use "
+                         f"attention_backend='triton' or 'torch', or kv_cache_dtype='auto'")
     return name
 
 

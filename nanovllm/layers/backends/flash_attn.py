@@ -3,7 +3,8 @@ prefill chunks or cached prefixes, `flash_attn_with_kvcache` for decode-only ste
 
 flash-attn reads the paged cache in pages of 256 tokens, hence block_size % 256 == 0 (Config
 checks it). Causal masks are aligned to the bottom right: query j of n attends to keys up to
-L - n + j, exactly our convention.
+L - n + j, exactly our convention. Its kernels read K/V in the query's dtype only, so
+kv_cache_dtype="fp8" needs another backend.
 """
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -15,7 +16,8 @@ class FlashAttnBackend:
     store_kv = staticmethod(TorchBackend.store_kv)  # an index_put; flash-attn has no store kernel
 
     @staticmethod
-    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float):
+    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
+        # (k_scale, v_scale unread: the cache is never fp8 here, Config refuses kv_cache_dtype="fp8")
         if context.block_tables is None:  # fresh prompts: the new K/V are the whole context
             return flash_attn_varlen_func(q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
                                           max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,

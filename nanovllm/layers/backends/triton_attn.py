@@ -43,6 +43,19 @@ Softmax runs in base 2 (exp2 of scores pre-multiplied by scale * log2(e)). The r
 at a large negative *finite* number, so a row that has seen no valid key yet gets
 exp2(-inf - NEG_BIG) = 0 and alpha = exp2(0) = 1 instead of NaN from (-inf) - (-inf).
 
+An fp8 KV cache holds fp8(clamp(K / k_scale)) and likewise V (torch_ref.py). KV_FP8 is a
+constexpr: with it off the kernels compile to the same code as before fp8 (their two scale
+pointers are never read), so an unquantized cache pays nothing. _store_kv_kernel quantizes on the
+way in; the attention kernels load fp8 tiles and convert them to the query's dtype (exact: every
+e4m3 value is a bf16, fp16 and fp32 value), then fold the scales in rather than multiplying each
+element: q.(k_scale * k) = k_scale * (q.k), so k_scale joins the softmax scale, and
+sum p (v_scale * v) = v_scale * sum p v, so v_scale multiplies the accumulator once at the end
+(before the split-KV partials are written: the reduction is linear in them). The scales are read
+from device memory (the layer's 0-dim tensors), never baked in: a CUDA graph stays valid.
+The fresh-prefill path (no block tables) over an fp8 cache reads the new K/V quantized as the
+cache holds them (torch_ref.quantize_kv, bit for bit what _store_kv_kernel writes), as
+TorchBackend does: a token's output does not depend on how its prompt was chunked or cached.
+
 Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on
 CPU tensors through Triton's interpreter; that is how the tests check them against TorchBackend.
 """
@@ -52,12 +65,14 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, quantize_kv
 from nanovllm.utils.context import Context
 
 LOG2E = 1.4426950408889634     # exp(x) == exp2(x * log2(e))
 # Finite stand-in for -inf as the initial running max (see above). A constexpr, because
 # @triton.jit code may only read globals that are constexprs (compiled Triton >= 3.2 enforces it).
 NEG_BIG = tl.constexpr(-1.0e30)
+FP8_MAX = tl.constexpr(448.0)  # e4m3fn's largest finite value (torch_ref.FP8_MAX): stored values clamp there
 
 # Tile sizes. tl.dot operands need >= 16 rows and columns on NVIDIA GPUs, so every tile has.
 # Chosen by compiling for sm_90 (no GPU at hand to time them): with these, ptxas reports no
@@ -100,13 +115,36 @@ REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits"]
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x, |x| <= FP8_MAX -> the nearest e4m3 value (ties to even), still fp32, so that the
+    cast to fp8 after it is exact. The GPU's cast (cvt.rn.satfinite) rounds right by itself, but
+    Triton's interpreter (3.9) rounds halves up and loses the carry at the top of a binade
+    (127.3 became 64), and the kernels must give the reference's bits in both.
+    Adding 2^(e + 20) to |x| in [2^e, 2^(e+1)) leaves 23 - 20 = 3 fraction bits, e4m3's, and
+    the fp32 addition rounds to nearest even; subnormals (e < -6) share the quantum 2^-9 of e = -6."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = ((exponent + 20 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = (tl.abs(x) + magic) - magic
+    return tl.where(bits < 0, -rounded, rounded)                                   # x's sign, -0 included
+
+
+@triton.jit
+def _quantize(x, scale_ptr):
+    """A tile of new K or V -> its values in the fp8 cache's units (the cast is the caller's)."""
+    x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))       # IEEE division, as torch's
+    return _round_to_e4m3(tl.clamp(x, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL))  # (NaN stays NaN)
+
+
 @triton.jit(do_not_specialize=STORE_KV_DYNAMIC_ARGS)
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_tokens,
                      s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
                      s_kcb, s_kcs, s_kch, s_kcd, s_vcb, s_vcs, s_vch, s_vcd,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (cdiv(T, BLOCK_T),): BLOCK_T tokens x all (kv head, dim) pairs, flattened to one axis."""
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr):
+    """Grid (cdiv(T, BLOCK_T),): BLOCK_T tokens x all (kv head, dim) pairs, flattened to one axis.
+    KV_FP8: the caches are fp8; K and V are divided by their scales first (scale_ptrs unread otherwise)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < num_tokens, other=-1)       # int64; -1 = padding row: skip
     blk = slot // BLOCK_SIZE
@@ -118,6 +156,8 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
     t = t.to(tl.int64)
     k = tl.load(k_ptr + t[:, None] * s_kt + (h * s_kh + d * s_kd)[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + t[:, None] * s_vt + (h * s_vh + d * s_vd)[None, :], mask=mask, other=0.0)
+    if KV_FP8:
+        k, v = _quantize(k, k_scale_ptr), _quantize(v, v_scale_ptr)
     tl.store(k_cache_ptr + (blk * s_kcb + off * s_kcs)[:, None] + (h * s_kch + d * s_kcd)[None, :],
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + (blk * s_vcb + off * s_vcs)[:, None] + (h * s_vch + d * s_vcd)[None, :],
@@ -125,13 +165,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_token
 
 
 @triton.jit(do_not_specialize=PREFILL_DYNAMIC_ARGS)
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                     s_k0, s_k1, s_kh, s_kd, s_v0, s_v1, s_vh, s_vd, s_bt,
                     scale_log2, num_seqs,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Grid ((T * GROUP) // BLOCK_M + B, Hkv): work items, see "Work items" at the top.
 
     PAGED: K/V are caches [num_blocks, block_size, Hkv, D] (s_k0 = block stride, s_k1 = slot
@@ -139,6 +179,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
     one new query are the decode kernel's (mixed steps): their programs idle here.
     Not PAGED: K/V are the step's new rows [T, Hkv, D] (s_k1 = row stride, s_k0 unused); the
     context is the sequence's own new rows, cu_q[b] .. cu_q[b+1].
+    KV_FP8: K/V (either kind) are fp8, dequantized with the scales (see the module's docstring).
     """
     work = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -173,6 +214,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
         q = tl.load(q_ptr + q_rows[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
+        qk_scale = scale_log2
+        if KV_FP8:
+            qk_scale = scale_log2 * tl.load(k_scale_ptr)
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -190,7 +234,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
                 v_rows = (q_start + offs_n).to(tl.int64) * s_v1
             kt = tl.load(k_ptr + k_rows[None, :] + kvh * s_kh + offs_d[:, None] * s_kd,
                          mask=n_ok[None, :] & d_ok[:, None], other=0.0)              # [BLOCK_D, BLOCK_N]
-            qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_M, BLOCK_N]
+            if KV_FP8:
+                kt = kt.to(q.dtype)
+            qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale            # [BLOCK_M, BLOCK_N]
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))       # finite: m_i starts at NEG_BIG
@@ -199,8 +245,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
             l_i = l_i * alpha + tl.sum(p, 1)
             vt = tl.load(v_ptr + v_rows[:, None] + kvh * s_vh + offs_d[None, :] * s_vd,
                          mask=n_ok[:, None] & d_ok[None, :], other=0.0)              # [BLOCK_N, BLOCK_D]
+            if KV_FP8:
+                vt = vt.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
             m_i = m_new
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -208,21 +258,23 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
 
 @triton.jit(do_not_specialize=DECODE_DYNAMIC_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
-                   seq_lens_ptr, bt_ptr, cu_q_ptr,
+                   seq_lens_ptr, bt_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_bt,
                    s_mb, s_mh, s_ms,                     # mid_m / mid_l [B, H, S]; mid_o [B, H, S, BLOCK_D]
                    scale_log2, num_splits,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT_KV: tl.constexpr, MIXED: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   KV_FP8: tl.constexpr):
     """Grid (B, Hkv, num_splits); sequence b's only query is at position length-1, in row b of q
     (decode-only steps) or, MIXED, in row cu_q[b] of a mixed step's q, where sequences with more
     than one new query are the prefill kernel's and their programs idle (cu_q_ptr unused otherwise).
 
     num_splits is a runtime value, not a constexpr (nor specialized): eager steps of different
     padded batch sizes use different counts, and each would otherwise compile a new variant.
-    SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing `out`."""
+    SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing `out`.
+    KV_FP8: the caches are fp8, dequantized with the scales (see the module's docstring)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -249,6 +301,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
     q = tl.load(q_ptr + row * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_G, BLOCK_D]
 
+    qk_scale = scale_log2
+    if KV_FP8:
+        qk_scale = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -261,7 +316,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
         slot = offs_n % BLOCK_SIZE
         kt = tl.load(k_cache_ptr + blk[None, :] * s_kb + slot[None, :] * s_ks + kvh * s_kh + offs_d[:, None] * s_kd,
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)                  # [BLOCK_D, BLOCK_N]
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2              # [BLOCK_G, BLOCK_N]
+        if KV_FP8:
+            kt = kt.to(q.dtype)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale                # [BLOCK_G, BLOCK_N]
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -269,9 +326,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_cache_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + offs_d[None, :] * s_vd,
                      mask=n_ok[:, None] & d_ok[None, :], other=0.0)                  # [BLOCK_N, BLOCK_D]
+        if KV_FP8:
+            vt = vt.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     if SPLIT_KV:
         mid = b.to(tl.int64) * s_mb + head * s_mh + split * s_ms                     # [BLOCK_G]
         tl.store(mid_m_ptr + mid, m_i, mask=g_ok)
@@ -394,7 +455,17 @@ def _may_have_decode_rows(context: Context) -> bool:
     return cu is None or any(b - a == 1 for a, b in zip(cu, cu[1:]))
 
 
-def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: torch.Tensor):
+def kv_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """The scale tensors the kernels are handed: the layer's when the cache is fp8 (None: 1.0,
+    for callers without a layer: tests, the benchmark); else any tensor, never read."""
+    if cache.dtype != FP8_KV_DTYPE:
+        return cache, cache
+    one = torch.ones((), dtype=torch.float32, device=cache.device) if k_scale is None or v_scale is None else None
+    return (one if k_scale is None else k_scale), (one if v_scale is None else v_scale)
+
+
+def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     num_heads, num_kv_heads, head_dim = _check(q, k if k is not None else k_cache, context)
     group = num_heads // num_kv_heads
     batch = context.cu_seqlens_q.shape[0] - 1
@@ -407,8 +478,11 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
         seq_lens = context.seq_lens_k
     else:                                   # the new rows are the whole context
         key, value, block_size, bt = k, v, 1, context.cu_seqlens_q                   # bt unused
-        ks, vs, s_bt = (0,) + k.stride(), (0,) + v.stride(), 0
+        if k_cache is not None and k_cache.dtype == FP8_KV_DTYPE:                    # as the cache holds them
+            key, value = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
+        ks, vs, s_bt = (0,) + key.stride(), (0,) + value.stride(), 0
         seq_lens = context.cu_seqlens_q                                              # unused
+    k_scale, v_scale = kv_scales(key, k_scale, v_scale)
     block_m, block_n = ((PREFILL_BLOCK_M_FP32, PREFILL_BLOCK_N_FP32) if q.dtype == torch.float32
                         else (PREFILL_BLOCK_M, PREFILL_BLOCK_N))
     block_d = _block_d(head_dim)
@@ -416,20 +490,22 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
         block_n = min(block_n, PREFILL_BLOCK_N_WIDE_HEADS)
     if paged and _may_have_decode_rows(context):     # the decode rows of a mixed step: split-KV decode
         num_splits = context_num_splits(context, num_kv_heads, block_size, _num_sms(q.device))
-        decode(q, k_cache, v_cache, seq_lens, bt, scale, out, num_splits, cu_seqlens_q=context.cu_seqlens_q)
+        decode(q, k_cache, v_cache, seq_lens, bt, scale, out, num_splits, cu_seqlens_q=context.cu_seqlens_q,
+               k_scale=k_scale, v_scale=v_scale)
     grid = (prefill_num_work_items(q.shape[0], batch, group, block_m), num_kv_heads)
     _prefill_kernel[grid](
-        q, key, value, out, context.cu_seqlens_q, seq_lens, bt,
+        q, key, value, out, context.cu_seqlens_q, seq_lens, bt, k_scale, v_scale,
         *q.stride(), *out.stride(), *ks, *vs, s_bt,
         scale * LOG2E, batch,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGED=paged,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=key.dtype == FP8_KV_DTYPE, num_warps=4, num_stages=2)
     return out
 
 
 def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: torch.Tensor | None = None,
-           num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+           num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
     cu_seqlens_q [B+1] (mixed steps): q and out are instead all T rows of the step, [T, H, D];
@@ -437,6 +513,7 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
     exactly one are attended here (their row of out written, the others' rows left alone).
     No host sync, no device value read: safe under CUDA-graph capture. num_splits=None picks
     decode_num_splits(...) from these shapes; TritonBackend.forward passes context_num_splits.
+    k_scale, v_scale: an fp8 cache's (see kv_scales).
     """
     num_rows, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
@@ -462,14 +539,16 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
         mid_m = mid_l = mid_o = out
     mixed = cu_seqlens_q is not None
     cu_q = cu_seqlens_q if mixed else seq_lens_k   # (not read unless mixed: any int32 tensor will do)
+    k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q,
+        q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q, k_scale, v_scale,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         num_heads * num_splits, num_splits, 1,
         scale * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1, MIXED=mixed,
         BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
-        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        num_warps=4, num_stages=2)
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             out, mid_o, mid_m, mid_l, cu_q, *out.stride(), num_heads * num_splits, num_splits, 1, num_splits,
@@ -480,22 +559,24 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
 
 class TritonBackend:
     @staticmethod
-    def store_kv(k, v, k_cache, v_cache, slot_mapping):
-        """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (int64, -1 = skip)."""
+    def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (int64, -1 = skip);
+        an fp8 cache gets them quantized (k_scale, v_scale: see kv_scales)."""
         num_tokens, num_kv_heads, head_dim = k.shape
         if num_tokens == 0:
             return
         block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
         block_t = max(1, STORE_KV_ELEMENTS // (block_h * block_d))
+        k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
         _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
-            k, v, k_cache, v_cache, slot_mapping, num_tokens,
+            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, num_tokens,
             *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
+            BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
             num_warps=4)
 
     @staticmethod
-    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchBackend.forward."""
         _check(q, k if k is not None else k_cache, context)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -505,5 +586,6 @@ class TritonBackend:
             if k_cache is None:
                 raise ValueError("context.block_tables is set but the attention layer has no KV cache")
             num_splits = context_num_splits(context, k_cache.shape[2], k_cache.shape[1], _num_sms(q.device))
-            return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits)
-        return _prefill(q, k, v, k_cache, v_cache, context, scale, out)
+            return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits,
+                          k_scale=k_scale, v_scale=v_scale)
+        return _prefill(q, k, v, k_cache, v_cache, context, scale, out, k_scale, v_scale)
