@@ -24,6 +24,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.recorder import StepRecorder
 from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.moe import FusedExperts
 
 # Model shapes for --dummy: random weights, no files needed.
 PRESETS = {
@@ -103,11 +104,12 @@ def write_dummy_config(preset: str) -> str:
 
 
 def weight_bytes(model) -> dict[str, int]:
-    """Bytes of the model's parameters (rank 0's), all of them and its linear layers' (the ones
-    quantization shrinks)."""
+    """Bytes of the model's parameters (rank 0's), all of them and its linear layers' and experts'
+    (the ones quantization shrinks)."""
     def size(params):
         return sum(p.numel() * p.element_size() for p in params)
-    linear = [p for m in model.modules() if isinstance(m, LinearBase) for p in m.parameters(recurse=False)]
+    linear = [p for m in model.modules() if isinstance(m, (LinearBase, FusedExperts))
+              for p in m.parameters(recurse=False)]
     return {"all": size(model.parameters()), "linear": size(linear)}
 
 
@@ -385,7 +387,7 @@ def main(argv=None):
         q = result[key]
         print(f"  {key[:-2].upper()}: p50 {q['p50'] * 1e3:.1f} ms, p90 {q['p90'] * 1e3:.1f} ms, p99 {q['p99'] * 1e3:.1f} ms")
     print(f"  target forwards per output token: {result['target_forwards_per_output_token']:.3f}")
-    print(f"  weights: {result['weight_bytes'] / 2**20:.1f} MiB, of which linear layers "
+    print(f"  weights: {result['weight_bytes'] / 2**20:.1f} MiB, of which linear layers and experts "
           f"{result['linear_weight_bytes'] / 2**20:.1f} MiB; KV cache: {result['num_kv_blocks']} blocks")
     if "spec_acceptance_rate" in result:
         print(f"  speculation: acceptance rate {result['spec_acceptance_rate']:.1%}, mean acceptance length "
