@@ -631,33 +631,22 @@ def test_bad_shapes_are_value_errors():
 
 
 # ---- the benchmark script -----------------------------------------------------------------------
-def test_bench_decode_attention_cpu_smoke(capsys):
+@pytest.mark.parametrize("kv_cache_dtype, itemsize", [("auto", 4), ("fp8", 1)])
+def test_bench_decode_attention_cpu_smoke(capsys, kv_cache_dtype, itemsize):
+    """The kernel over a float32 cache, and over a float8_e4m3fn one whose bytes count 1 per element."""
     if DEVICE != "cpu":
         pytest.skip("the CPU smoke run is for interpreter machines")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench_decode_attention
     result = bench_decode_attention.main(["--device", "cpu", "--batch", "3", "--context", "40", "--num-heads", "4",
                                           "--num-kv-heads", "2", "--head-dim", "32", "--block-size", "16",
-                                          "--dtype", "float32", "--iters", "1"])
+                                          "--dtype", "float32", "--iters", "1", "--kv-cache-dtype", kv_cache_dtype])
     out = capsys.readouterr().out
-    assert result["check_ok"] and result["kv_bytes"] == 2 * 3 * 40 * 2 * 32 * 4
+    assert result["check_ok"] and result["kv_cache_dtype"] == kv_cache_dtype
+    assert result["kv_bytes"] == 2 * 3 * 40 * 2 * 32 * itemsize
     assert result["time_per_call_s"] > 0 and result["copy_bandwidth_gbs"] > 0
     assert "GB/s" in out and "max abs error" in out
-
-
-def test_bench_decode_attention_fp8_cpu_smoke(capsys):
-    """The fp8 twin: the kernel over a float8_e4m3fn cache, its bytes counted at 1 per element."""
-    if DEVICE != "cpu":
-        pytest.skip("the CPU smoke run is for interpreter machines")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-    import bench_decode_attention
-    result = bench_decode_attention.main(["--device", "cpu", "--batch", "3", "--context", "40", "--num-heads", "4",
-                                          "--num-kv-heads", "2", "--head-dim", "32", "--block-size", "16",
-                                          "--dtype", "float32", "--iters", "1", "--kv-cache-dtype", "fp8"])
-    out = capsys.readouterr().out
-    assert result["check_ok"] and result["kv_cache_dtype"] == "fp8"
-    assert result["kv_bytes"] == 2 * 3 * 40 * 2 * 32 * 1
-    assert "float8_e4m3fn" in out and "max abs error" in out
+    assert ("float8_e4m3fn" in out) == (kv_cache_dtype == "fp8")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the engine-level CPU run needs the interpreter; test_gpu.py covers CUDA")
