@@ -403,15 +403,17 @@ def test_bench_quant_gemm_cpu_smoke(capsys):
         pytest.skip("the CPU smoke run is for interpreter machines")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench_quant_gemm
-    results = bench_quant_gemm.main(["--device", "cpu", "--tokens", "1", "20", "--n", "64", "--k", "256",
+    results = bench_quant_gemm.main(["--device", "cpu", "--tokens", "1", "20", "--n", "64", "--k", "1024",
                                      "--iters", "1"])
     out = capsys.readouterr().out
     assert [r["tokens"] for r in results] == [1, 1, 1, 20, 20, 20]
     assert {r["method"] for r in results} == {"bf16 F.linear", "block_fp8_matmul", "awq_gemm"}
     assert all(r["check_ok"] and r["time_per_call_s"] > 0 and r["weight_gbs"] > 0 for r in results)
     fp8_row = next(r for r in results if r["method"] == "block_fp8_matmul")
-    assert fp8_row["weight_bytes"] == 64 * 256 + 1 * 2 * 4           # fp8 bytes + the [1, 2] fp32 scales
-    assert "GB/s" in out and "max error" in out
+    assert fp8_row["weight_bytes"] == 64 * 1024 + 1 * 8 * 4          # fp8 bytes + the [1, 8] fp32 scales
+    # 8 K tiles of 128 at decode: 2 splits of 4 (CPU_STAND_IN_SMS); none with the prefill tiles
+    assert [r["split_k"] for r in results] == [None, 2, 2, None, 1, 1]
+    assert "GB/s" in out and "max error" in out and "split" in out
 
 
 # ---------------------------------------------------------------------------------------------
