@@ -112,7 +112,8 @@ def build_methods(args, torch, fp8, awq, fp8_triton, awq_triton):
         "awq_gemm": (nbytes(qweight, qzeros, scales), (qweight, qzeros, scales),
                      lambda x, ws: awq_triton.awq_gemm(x, *ws, AWQ_GROUP, split_k=forced),
                      lambda x: x.float() @ w_awq,
-                     lambda t: forced or awq_triton.gemm_split_k(t, args.n, args.k, AWQ_GROUP, torch.bfloat16, device)),
+                     lambda t: forced or awq_triton.gemm_split_k(t, args.n, args.k, AWQ_GROUP, torch.bfloat16,
+                                                                 device)),
     }
 
 
@@ -156,7 +157,8 @@ def main(argv=None) -> list[dict]:
     results = []
     print(f"quantized GEMM: N {args.n} x K {args.k}, x in bfloat16 on {args.device}"
           f"{', CUDA graph replays' if args.cuda_graph and args.device == 'cuda' else ''}")
-    print(f"  {'T':>5}  {'method':<18} {'split':>5} {'median us':>11} {'weight MiB':>11} {'GB/s':>9} {'max error':>10}  check")
+    print(f"  {'T':>5}  {'method':<18} {'split':>5} {'median us':>11} {'weight MiB':>11} {'GB/s':>9} "
+          f"{'max error':>10}  check")
     for num_tokens in args.tokens:
         for name, (weight_bytes, weights, call, reference, splits) in methods.items():
             r = bench_one(args, torch, name, weight_bytes, weights, call, reference, splits, num_tokens, gen)

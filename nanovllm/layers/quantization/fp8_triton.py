@@ -122,13 +122,14 @@ def _block_fp8_matmul_kernel(xq_ptr, xs_ptr, q_ptr, ws_ptr, out_ptr, T, N, K,
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < T
     n_ok = offs_n < N
-    # split pid_k's K tiles: [pid_k * k_tiles // S, (pid_k + 1) * k_tiles // S), none empty (S <= k_tiles)
+    # split pid_k's K tiles: [pid_k * k_tiles // S, (pid_k + 1) * k_tiles // S), none empty (S <= k_tiles);
+    # the last split's end, k_tiles * BLOCK_K, may pass K: its ragged tile is masked
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_begin = (pid_k * k_tiles // tl.num_programs(2)) * BLOCK_K
-    k_end = ((pid_k + 1) * k_tiles // tl.num_programs(2)) * BLOCK_K         # the last split's, k_tiles * BLOCK_K, may pass K: masked
+    k_end = ((pid_k + 1) * k_tiles // tl.num_programs(2)) * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = xq_ptr + offs_m[:, None] * s_xt + (k_begin + offs_k[None, :]) * s_xk        # [BLOCK_M, BLOCK_K]
-    q_ptrs = q_ptr + offs_n[None, :] * s_qn + (k_begin + offs_k[:, None]) * s_qk         # [BLOCK_K, BLOCK_N]: q's tile, transposed
+    x_ptrs = xq_ptr + offs_m[:, None] * s_xt + (k_begin + offs_k[None, :]) * s_xk   # [BLOCK_M, BLOCK_K]
+    q_ptrs = q_ptr + offs_n[None, :] * s_qn + (k_begin + offs_k[:, None]) * s_qk    # [BLOCK_K, BLOCK_N]: q^T's tile
     xs_ptrs = xs_ptr + offs_m * s_xst                                         # [BLOCK_M]
     ws_ptrs = ws_ptr + (offs_n // SCALE_BLOCK_N) * s_wsn                      # [BLOCK_N]: each column's block row
 
