@@ -10,10 +10,13 @@ weights from DRAM and not from the L2 cache (H200: 50 MB); time per call = pass 
 
     python scripts/bench_quant_gemm.py                               # CUDA: T = 1, 16, 256; N = K = 4096
     python scripts/bench_quant_gemm.py --tokens 1 --n 4096 --k 1024 --cuda-graph
+    python scripts/bench_quant_gemm.py --tokens 1 --n 1024 --k 4096 --split-k 1       # without split-K
     python scripts/bench_quant_gemm.py --device cpu --tokens 1 20 --n 64 --k 256 --iters 1   # interpreter smoke run
 
 Every method's output is checked against its reference: F.linear against x @ w.T in fp32,
 block_fp8_matmul against fp8.block_fp8_matmul_reference, awq_gemm against x @ awq.dequantize.
+The "split" column is the number of K splits each kernel launched (layers/quantization/split_k.py:
+chosen by shape and SM count, or forced with --split-k).
 """
 import argparse
 import os
@@ -43,11 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu runs the kernels under TRITON_INTERPRET=1 (tiny sizes only)")
     p.add_argument("--cuda-graph", action="store_true", help="time replays of a captured pass instead of eager calls")
+    p.add_argument("--split-k", type=int, default=None,
+                   help="force this many K splits in both kernels (default: chosen by shape, split_k.split_k_for)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("n", "k", "iters"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.split_k is not None and args.split_k < 1:
+        p.error(f"--split-k must be >= 1, got {args.split_k}")
     if any(t < 1 for t in args.tokens):
         p.error(f"--tokens must all be >= 1, got {args.tokens}")
     if args.n % 8 or args.k % AWQ_GROUP:
@@ -83,8 +90,9 @@ def _time_pass(device: str, fn) -> float:
 
 
 def build_methods(args, torch, fp8, awq, fp8_triton, awq_triton):
-    """{name: (weight bytes, [weights per copy], call(x, weights), reference(x))} from one random
-    bf16 weight w [N, K], quantized for each scheme on the device."""
+    """{name: (weight bytes, [weights per copy], call(x, weights), reference(x), splits(T))} from one
+    random bf16 weight w [N, K], quantized for each scheme on the device; splits(T) is the number of
+    K splits the method launches for T tokens (None for F.linear)."""
     gen = torch.Generator().manual_seed(args.seed)
     w = (torch.randn(args.n, args.k, generator=gen) * args.k ** -0.5).to(args.device).bfloat16()
     q, scale_inv = fp8.quantize_block(w.float(), FP8_BLOCK)
@@ -92,19 +100,24 @@ def build_methods(args, torch, fp8, awq, fp8_triton, awq_triton):
     w_awq = awq.dequantize(qweight, qzeros, scales, AWQ_GROUP, torch.float32)
     nbytes = lambda *ts: sum(t.numel() * t.element_size() for t in ts)              # noqa: E731
     import torch.nn.functional as F
+    device = torch.device(args.device)
+    forced = args.split_k
     return {
         "bf16 F.linear": (nbytes(w), (w,), lambda x, ws: F.linear(x, *ws),
-                          lambda x: x.float() @ w.float().T),
+                          lambda x: x.float() @ w.float().T, lambda t: None),
         "block_fp8_matmul": (nbytes(q, scale_inv), (q, scale_inv),
-                             lambda x, ws: fp8_triton.block_fp8_matmul(x, *ws, FP8_BLOCK),
-                             lambda x: fp8.block_fp8_matmul_reference(x.float(), q, scale_inv, FP8_BLOCK)),
+                             lambda x, ws: fp8_triton.block_fp8_matmul(x, *ws, FP8_BLOCK, split_k=forced),
+                             lambda x: fp8.block_fp8_matmul_reference(x.float(), q, scale_inv, FP8_BLOCK),
+                             lambda t: forced or fp8_triton.gemm_split_k(t, args.n, args.k, FP8_BLOCK[1], device)),
         "awq_gemm": (nbytes(qweight, qzeros, scales), (qweight, qzeros, scales),
-                     lambda x, ws: awq_triton.awq_gemm(x, *ws, AWQ_GROUP),
-                     lambda x: x.float() @ w_awq),
+                     lambda x, ws: awq_triton.awq_gemm(x, *ws, AWQ_GROUP, split_k=forced),
+                     lambda x: x.float() @ w_awq,
+                     lambda t: forced or awq_triton.gemm_split_k(t, args.n, args.k, AWQ_GROUP, torch.bfloat16,
+                                                                 device)),
     }
 
 
-def bench_one(args, torch, name, weight_bytes, weights, call, reference, num_tokens, gen) -> dict:
+def bench_one(args, torch, name, weight_bytes, weights, call, reference, splits, num_tokens, gen) -> dict:
     copies = 1 if args.device == "cpu" else max(1, min(MAX_COPIES, -(-L2_FLUSH_BYTES // weight_bytes)))
     sets = [weights] + [tuple(t.clone() for t in weights) for _ in range(copies - 1)]
     x = torch.randn(num_tokens, args.k, generator=gen).to(args.device).bfloat16()
@@ -127,6 +140,7 @@ def bench_one(args, torch, name, weight_bytes, weights, call, reference, num_tok
     ref = reference(x)
     error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
     return dict(method=name, tokens=num_tokens, n=args.n, k=args.k, device=args.device, copies=copies,
+                split_k=splits(num_tokens),
                 time_per_call_s=seconds, weight_bytes=weight_bytes, weight_gbs=weight_bytes / seconds / 1e9,
                 max_rel_error=error, check_ok=error <= CHECK_TOL, cuda_graph=bool(args.cuda_graph and args.device == "cuda"))
 
@@ -143,14 +157,17 @@ def main(argv=None) -> list[dict]:
     results = []
     print(f"quantized GEMM: N {args.n} x K {args.k}, x in bfloat16 on {args.device}"
           f"{', CUDA graph replays' if args.cuda_graph and args.device == 'cuda' else ''}")
-    print(f"  {'T':>5}  {'method':<18} {'median us':>11} {'weight MiB':>11} {'GB/s':>9} {'max error':>10}  check")
+    print(f"  {'T':>5}  {'method':<18} {'split':>5} {'median us':>11} {'weight MiB':>11} {'GB/s':>9} "
+          f"{'max error':>10}  check")
     for num_tokens in args.tokens:
-        for name, (weight_bytes, weights, call, reference) in methods.items():
-            r = bench_one(args, torch, name, weight_bytes, weights, call, reference, num_tokens, gen)
+        for name, (weight_bytes, weights, call, reference, splits) in methods.items():
+            r = bench_one(args, torch, name, weight_bytes, weights, call, reference, splits, num_tokens, gen)
             results.append(r)
-            print(f"  {num_tokens:>5}  {name:<18} {r['time_per_call_s'] * 1e6:>11.1f} {weight_bytes / 2**20:>11.2f} "
-                  f"{r['weight_gbs']:>9.1f} {r['max_rel_error']:>10.2e}  {'ok' if r['check_ok'] else 'FAILED'}")
-    print("  (GB/s: the layer's weight bytes / median time per call; max error: max |out - ref| / max |ref|)")
+            print(f"  {num_tokens:>5}  {name:<18} {r['split_k'] or '-':>5} {r['time_per_call_s'] * 1e6:>11.1f} "
+                  f"{weight_bytes / 2**20:>11.2f} {r['weight_gbs']:>9.1f} {r['max_rel_error']:>10.2e}  "
+                  f"{'ok' if r['check_ok'] else 'FAILED'}")
+    print("  (split: K splits launched; GB/s: the layer's weight bytes / median time per call; "
+          "max error: max |out - ref| / max |ref|)")
     return results
 
 

@@ -30,9 +30,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="triton is not installed: the quantized GEMM kernels are untested here")
+triton = pytest.importorskip("triton", reason="triton is not installed: the quantized GEMM kernels are untested here")
 
-from nanovllm.layers.quantization import awq, awq_triton, fp8, fp8_triton  # noqa: E402
+from nanovllm.layers.quantization import awq, awq_triton, fp8, fp8_triton, split_k  # noqa: E402
 from nanovllm.layers.quantization.awq_triton import awq_gemm  # noqa: E402
 from nanovllm.layers.quantization.fp8_triton import block_fp8_matmul, per_token_group_quant  # noqa: E402
 
@@ -141,9 +141,10 @@ def fp8_case(num_tokens, n, k, dtype, seed, block=BLOCK):
     return x, q.to(DEVICE), scale_inv.to(DEVICE)
 
 
-def check_fp8(x, q, scale_inv, block=BLOCK):
+def check_fp8(x, q, scale_inv, block=BLOCK, **kwargs):
     """The kernel (fp32 out and x's dtype) against the emulating reference, then against plain
-    dequantize-and-matmul; returns the worst errors relative to the bound, for the record."""
+    dequantize-and-matmul; returns the worst errors relative to the bound, for the record.
+    kwargs (split_k) go to block_fp8_matmul."""
     bk = block[1]
     w_deq = fp8.dequantize_block(q, scale_inv, block, torch.float32)
     xq, x_scales = fp8.quantize_per_token_group(x, bk)
@@ -151,11 +152,11 @@ def check_fp8(x, q, scale_inv, block=BLOCK):
     bound = x_deq.abs() @ w_deq.abs().T
     ref = fp8.block_fp8_matmul_reference(x.float(), q, scale_inv, block)    # fp32 (x.float() is exact)
 
-    out32 = block_fp8_matmul(x, q, scale_inv, block, out_dtype=torch.float32)
+    out32 = block_fp8_matmul(x, q, scale_inv, block, out_dtype=torch.float32, **kwargs)
     assert out32.dtype == torch.float32 and out32.shape == (x.shape[0], q.shape[0])
     assert_within(out32, ref, FP8_ACCUM_TOL * bound, "fp32 out vs block_fp8_matmul_reference")
 
-    out = block_fp8_matmul(x, q, scale_inv, block)
+    out = block_fp8_matmul(x, q, scale_inv, block, **kwargs)
     assert out.dtype == x.dtype
     assert_within(out, ref, FP8_ACCUM_TOL * bound + ROUNDING[x.dtype] * ref.abs(),
                   f"{x.dtype} out vs block_fp8_matmul_reference")
@@ -239,12 +240,13 @@ def awq_case(num_tokens, n, k, dtype, seed, group=128, random_bits=False):
     return x, qweight.to(DEVICE), qzeros.to(DEVICE), scales.to(DEVICE)
 
 
-def check_awq(x, qweight, qzeros, scales, group=128):
-    """The kernel against x @ dequantize(...) in fp32; returns the worst error relative to the bound."""
+def check_awq(x, qweight, qzeros, scales, group=128, **kwargs):
+    """The kernel against x @ dequantize(...) in fp32; returns the worst error relative to the bound.
+    kwargs (split_k) go to awq_gemm."""
     w = awq.dequantize(qweight, qzeros, scales, group, torch.float32)         # [K, N]
     ref = x.float() @ w
     bound = x.float().abs() @ w.abs()
-    out = awq_gemm(x, qweight, qzeros, scales, group)
+    out = awq_gemm(x, qweight, qzeros, scales, group, **kwargs)
     assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[1])
     assert_within(out, ref, (ACCUM_TOL + 2 * ROUNDING[x.dtype]) * bound, f"awq_gemm in {x.dtype} vs x @ dequantize")
     return ((out.float() - ref).abs() / bound).max().item()
@@ -290,6 +292,110 @@ def test_awq_gemm_rejects_wrong_inputs():
 
 
 # ---------------------------------------------------------------------------------------------
+# split-K (layers/quantization/split_k.py): forced split counts, the split-count contract
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_tokens,n,k,dtype,splits", [
+    (1, 200, 1100, torch.float32, (2, 4, 9)),        # 9 K tiles, the last one ragged (1100 = 8 * 128 + 76)
+    (16, 130, 512, torch.bfloat16, (3, 4)),          # 3 splits of 4 tiles: 1, 1 and 2 tiles
+    (20, 72, 300, torch.float16, (2, 3)),            # prefill tiles (the heuristic never splits them)
+])
+def test_block_fp8_matmul_split_k(num_tokens, n, k, dtype, splits):
+    """Forced split counts up to one K tile per split, at ragged shapes: the same references and
+    tolerances as one split (the partials' fp32 sum is the same sum in another order)."""
+    x, q, scale_inv = fp8_case(num_tokens, n, k, dtype, seed=num_tokens + n + k)
+    assert splits[-1] <= triton.cdiv(k, fp8_triton.block_k_for(BLOCK[1]))
+    for s in splits:
+        check_fp8(x, q, scale_inv, split_k=s)
+
+
+@pytest.mark.parametrize("num_tokens,n,k,dtype,group,splits", [
+    (1, 200, 512, torch.float32, 128, (3, 16)),      # fp32: K tiles of 32, 16 of them; 3 uneven splits
+    (7, 96, 512, torch.bfloat16, 128, (2, 3, 4)),    # K tiles of 128, one per group
+    (5, 64, 256, torch.float32, 32, (3, 8)),         # groups of 32, one per tile
+    (20, 64, 256, torch.float16, 64, (2, 4)),        # prefill tiles, K tiles of 64
+])
+def test_awq_gemm_split_k(num_tokens, n, k, dtype, group, splits):
+    x, qweight, qzeros, scales = awq_case(num_tokens, n, k, dtype, seed=num_tokens + n + k, group=group,
+                                          random_bits=dtype == torch.float32)
+    assert splits[-1] == k // awq_triton.tiles_for(num_tokens, group, dtype)[2]
+    for s in splits:
+        check_awq(x, qweight, qzeros, scales, group, split_k=s)
+
+
+class GridSpy:
+    """Stands in for a kernel: records each launch's grid, then launches the kernel."""
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_split_k_for_contract():
+    """1 beyond decode and when the N tiles already give PROGRAMS_PER_SM programs per SM; > 1 for
+    small N at decode; never more splits than K tiles / MIN_K_TILES_PER_SPLIT (so never more than
+    the K tiles); a function of shapes and the SM count only."""
+    sms = 132
+    for num_tokens in (17, 64, 256, 4096):                                    # prefill tiles
+        assert split_k.split_k_for(num_tokens, 64, 1 << 16, 64, 128, 128, sms) == 1
+    assert split_k.split_k_for(1, 1024, 4096, 16, 32, 128, sms) == 8          # fp8, 32 N tiles: capped by K
+    assert split_k.split_k_for(16, 4096, 4096, 16, 32, 128, sms) == 3         # 128 N tiles -> 384 programs
+    assert split_k.split_k_for(1, 4096, 4096, 16, 64, 128, sms) == 5          # awq, 64 N tiles
+    assert split_k.split_k_for(1, 16384, 4096, 16, 32, 128, sms) == 1         # 512 N tiles fill the chip
+    assert split_k.split_k_for(1, 64, 3 * 128, 16, 32, 128, sms) == 1         # 3 K tiles: too few to split
+    for num_tokens in (1, 5, 16):
+        for n in (8, 200, 1024, 4096, 8192):
+            for k in (32, 300, 1024, 4096, 12288):
+                for block_n, block_k in ((32, 128), (64, 128), (64, 32)):
+                    s = split_k.split_k_for(num_tokens, n, k, 16, block_n, block_k, sms)
+                    k_tiles = triton.cdiv(k, block_k)
+                    assert 1 <= s <= max(1, k_tiles // split_k.MIN_K_TILES_PER_SPLIT) <= max(1, k_tiles)
+                    programs = triton.cdiv(n, block_n)
+                    if programs >= split_k.PROGRAMS_PER_SM * sms:
+                        assert s == 1
+                    elif s > 1:                                               # no more splits than wanted
+                        assert (s - 1) * programs < split_k.PROGRAMS_PER_SM * sms
+    assert split_k.num_sms(torch.device("cpu")) == split_k.CPU_STAND_IN_SMS
+
+
+def test_split_k_is_chosen_by_shape_and_one_split_writes_the_output(monkeypatch):
+    """The wrappers launch gemm_split_k's count for the shape whatever the data (what lets a CUDA
+    graph capture and an eager call of one shape split alike); one split launches no sum kernel."""
+    gemm = GridSpy(fp8_triton._block_fp8_matmul_kernel)
+    awq_kernel = GridSpy(awq_triton._awq_gemm_kernel)
+    sums = GridSpy(split_k._sum_splits_kernel)
+    monkeypatch.setattr(fp8_triton, "_block_fp8_matmul_kernel", gemm)
+    monkeypatch.setattr(awq_triton, "_awq_gemm_kernel", awq_kernel)
+    monkeypatch.setattr(split_k, "_sum_splits_kernel", sums)
+    device = torch.device(DEVICE)
+    for seed in (1, 2):                                  # same shapes, other data: the same grids
+        x, q, scale_inv = fp8_case(2, 64, 1024, torch.float32, seed=seed)
+        check_fp8(x, q, scale_inv)
+        xa, qweight, qzeros, scales = awq_case(2, 64, 1024, torch.bfloat16, seed=seed)
+        check_awq(xa, qweight, qzeros, scales)
+    splits = fp8_triton.gemm_split_k(2, 64, 1024, BLOCK[1], device)
+    awq_splits = awq_triton.gemm_split_k(2, 64, 1024, 128, torch.bfloat16, device)
+    assert splits == 2 and awq_splits == 2                # 8 K tiles of 128: 2 splits of 4
+    assert gemm.grids == [(1, 2, splits)] * 4 and awq_kernel.grids == [(1, 1, awq_splits)] * 2
+    assert len(sums.grids) == 6
+    sums.grids.clear()
+    x, q, scale_inv = fp8_case(20, 64, 1024, torch.float32, seed=3)   # prefill: one split, no sum
+    block_fp8_matmul(x, q, scale_inv, BLOCK)
+    assert gemm.grids[-1][2] == 1 and sums.grids == []
+
+
+def test_split_k_rejects_wrong_counts():
+    x, q, scale_inv = fp8_case(2, 64, 300, torch.float32, seed=5)       # 3 K tiles
+    xa, qweight, qzeros, scales = awq_case(2, 64, 256, torch.bfloat16, seed=5)   # 2 K tiles
+    for bad in (0, 4, 1.0, True, "2"):
+        with pytest.raises(ValueError, match=r"split_k must be None \(chosen by shape\) or an int in 1\.\.3"):
+            block_fp8_matmul(x, q, scale_inv, BLOCK, split_k=bad)
+    with pytest.raises(ValueError, match=r"an int in 1\.\.2"):
+        awq_gemm(xa, qweight, qzeros, scales, 128, split_k=3)
+
+
+# ---------------------------------------------------------------------------------------------
 # the micro-benchmark's CPU smoke run
 # ---------------------------------------------------------------------------------------------
 def test_bench_quant_gemm_cpu_smoke(capsys):
@@ -297,15 +403,17 @@ def test_bench_quant_gemm_cpu_smoke(capsys):
         pytest.skip("the CPU smoke run is for interpreter machines")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench_quant_gemm
-    results = bench_quant_gemm.main(["--device", "cpu", "--tokens", "1", "20", "--n", "64", "--k", "256",
+    results = bench_quant_gemm.main(["--device", "cpu", "--tokens", "1", "20", "--n", "64", "--k", "1024",
                                      "--iters", "1"])
     out = capsys.readouterr().out
     assert [r["tokens"] for r in results] == [1, 1, 1, 20, 20, 20]
     assert {r["method"] for r in results} == {"bf16 F.linear", "block_fp8_matmul", "awq_gemm"}
     assert all(r["check_ok"] and r["time_per_call_s"] > 0 and r["weight_gbs"] > 0 for r in results)
     fp8_row = next(r for r in results if r["method"] == "block_fp8_matmul")
-    assert fp8_row["weight_bytes"] == 64 * 256 + 1 * 2 * 4           # fp8 bytes + the [1, 2] fp32 scales
-    assert "GB/s" in out and "max error" in out
+    assert fp8_row["weight_bytes"] == 64 * 1024 + 1 * 8 * 4          # fp8 bytes + the [1, 8] fp32 scales
+    # 8 K tiles of 128 at decode: 2 splits of 4 (CPU_STAND_IN_SMS); none with the prefill tiles
+    assert [r["split_k"] for r in results] == [None, 2, 2, None, 1, 1]
+    assert "GB/s" in out and "max error" in out and "split" in out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,9 +451,12 @@ def test_gpu_awq_gemm_bf16(num_tokens, n, k):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_cuda_graph_capture():
-    """No host sync in either wrapper: both capture into a CUDA graph and replay on new inputs."""
+    """No host sync in either wrapper: both capture into a CUDA graph and replay on new inputs,
+    bit-equal to eager calls; at this shape both split K (their workspace from the graph's pool)."""
     gen = torch.Generator().manual_seed(0)
     x = randn(16, 1024, gen=gen, dtype=torch.bfloat16)
+    assert fp8_triton.gemm_split_k(16, 512, 1024, BLOCK[1], x.device) > 1
+    assert awq_triton.gemm_split_k(16, 512, 1024, 128, torch.bfloat16, x.device) > 1
     q, scale_inv = fp8.quantize_block(randn(512, 1024, gen=gen, scale=1024 ** -0.5))
     qweight, qzeros, scales = awq.quantize(randn(1024, 512, gen=gen, scale=1024 ** -0.5), 128)
     calls = (lambda: block_fp8_matmul(x, q, scale_inv, BLOCK), lambda: awq_gemm(x, qweight, qzeros, scales, 128))

@@ -5,15 +5,20 @@ awq.py holds the format and its arithmetic in plain PyTorch; this kernel compute
   W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]; q[k, 8c + j] is nibble AWQ_NIBBLE[j] of
   qweight[k, c], AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7), i.e. nibble (j // 2) + 4 (j % 2).
 
-  _awq_gemm_kernel   grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): each program owns a [BLOCK_M, BLOCK_N]
-                     output tile and walks K in steps of BLOCK_K. Per step it loads the packed
-                     words of its tile, qweight[k-tile, BLOCK_N / 8 words] (int32, BLOCK_N / 2 bytes
-                     per row), repeats each word 8 times along N (three tl.interleave, in registers),
+  _awq_gemm_kernel   grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N), S): each program owns a [BLOCK_M, BLOCK_N]
+                     output tile and walks its split's share of K (all of it when S = 1) in steps
+                     of BLOCK_K. Per step it loads the packed words of its tile,
+                     qweight[k-tile, BLOCK_N / 8 words] (int32, BLOCK_N / 2 bytes per row),
+                     repeats each word 8 times along N (three tl.interleave, in registers),
                      shifts column n by 4 * nibble(n % 8) and masks 4 bits; the same for the group's
                      zero points (one packed row: BLOCK_K divides g, so a K tile lies in one group)
                      and its scales. The tile W = (q - z) * s is formed in fp32 (exact: a 4-bit
                      integer times an fp16 scale), rounded once to x's dtype, and multiplied by the
                      x tile in tl.dot with an fp32 accumulator. The whole W is never in memory.
+  split-K (split_k.py) at decode, when ceil(N / BLOCK_N) programs would leave SMs idle: S > 1
+                     splits of whole K tiles (each inside one group), fp32 partials into a
+                     workspace [S, T, N], summed in a fixed order by split_k._sum_splits_kernel and
+                     rounded once to x's dtype. S = 1 writes the output directly.
 K is a multiple of g (the format's groups) and N of 8 (the packing), both checked; T is masked.
 
 Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernel runs on CPU
@@ -28,15 +33,17 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.quantization.awq import PACK
+from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
+                                                  workspace)
 
 # Tiles. A qweight row of a tile is BLOCK_N / 2 bytes: 64 columns make one 32-byte DRAM sector,
 # the least that is worth a read. The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32 before
 # its rounding), so BLOCK_K * BLOCK_N / (32 * num_warps) values per thread bound the tile sizes.
-# Decode (T <= DECODE_MAX_TOKENS): one 16-row tile (tl.dot's minimum) holds every token; the
-# kernel streams K * N / 2 bytes of weights, over N / 64 programs (64 for N = 4096).
+# Decode (T <= DECODE_MAX_TOKENS, split_k.py's): one 16-row tile (tl.dot's minimum) holds every
+# token; the kernel streams K * N / 2 bytes of weights, over N / 64 programs (64 for N = 4096)
+# times the K splits split_k.py adds while that leaves SMs idle.
 # Prefill: 64 x 128 output tiles reuse each unpacked W tile over 64 tokens (unpacking costs ALU
 # work per weight, paid once per BLOCK_M tokens); 8 warps keep the W tile at 32 values per thread.
-DECODE_MAX_TOKENS = 16
 DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 4
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 64, 8, 3
 # fp32 x (tests, not checkpoints: AWQ runs in fp16/bf16) keeps its W tile in fp32 and takes the exact
@@ -62,26 +69,33 @@ def _unpack_awq(words, offs_n):
 
 @triton.jit
 def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, T, N, K,
-                     s_xt, s_xk, s_qk, s_qc, s_zg, s_zc, s_sg, s_sn, s_ot, s_on,
+                     s_xt, s_xk, s_qk, s_qc, s_zg, s_zc, s_sg, s_sn, s_os, s_ot, s_on,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_IN_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): out[m, n] = sum_k x[m, k] W[k, n]."""
+    """Grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N), S): out[s, m, n] = sum over split s's K tiles of
+    x[m, k] W[k, n]. With S = 1, s_os = 0 and out is the [T, N] result; else the fp32 workspace
+    [S, T, N] that split_k sums."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_c = pid_n.to(tl.int64) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)    # the tile's packed words
     m_ok = offs_m < T
     n_ok = offs_n < N
     c_ok = offs_c < N // 8                               # N is a multiple of 8: whole words or none
-    offs_k = tl.arange(0, BLOCK_K)
+    # split pid_k's K tiles: [pid_k * k_tiles // S, (pid_k + 1) * k_tiles // S), none empty (S <= k_tiles)
+    k_tiles = K // BLOCK_K
+    k_begin = (pid_k * k_tiles // tl.num_programs(2)) * BLOCK_K
+    k_end = ((pid_k + 1) * k_tiles // tl.num_programs(2)) * BLOCK_K
+    offs_k = k_begin + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * s_xt + offs_k[None, :] * s_xk          # [BLOCK_M, BLOCK_K]
     qw_ptrs = qw_ptr + offs_k[:, None] * s_qk + offs_c[None, :] * s_qc        # [BLOCK_K, BLOCK_N / 8]
     qz_ptrs = qz_ptr + offs_c * s_zc                                          # [BLOCK_N / 8], group 0
     s_ptrs = s_ptr + offs_n * s_sn                                            # [BLOCK_N], group 0
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):                      # K % GROUP == 0 and GROUP % BLOCK_K == 0: no K mask
+    for k0 in range(k_begin, k_end, BLOCK_K):            # K % GROUP == 0 and GROUP % BLOCK_K == 0: no K mask
         g = k0 // GROUP
         zeros = _unpack_awq(tl.load(qz_ptrs + g * s_zg, mask=c_ok, other=0), offs_n)           # [BLOCK_N]
         scales = tl.load(s_ptrs + g * s_sg, mask=n_ok, other=0.0).to(tl.float32)               # [BLOCK_N]
@@ -95,8 +109,8 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, T, N, K,
         x_ptrs += BLOCK_K * s_xk
         qw_ptrs += BLOCK_K * s_qk
 
-    tl.store(out_ptr + offs_m[:, None] * s_ot + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    out_ptrs = out_ptr + pid_k.to(tl.int64) * s_os + offs_m[:, None] * s_ot + offs_n[None, :] * s_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,12 +144,21 @@ def tiles_for(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[int, int
     return block_m, block_n, min(block_k, group), warps, stages
 
 
+def gemm_split_k(num_tokens: int, n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The split count awq_gemm uses for these shapes on this device (split_k.split_k_for over its
+    tiles: > 1 only at decode, when the N tiles leave SMs idle)."""
+    block_m, block_n, block_k, _, _ = tiles_for(num_tokens, group, dtype)
+    return split_k_for(num_tokens, n, k, block_m, block_n, block_k, num_sms(device))
+
+
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-             group: int = 128) -> torch.Tensor:
+             group: int = 128, split_k: int | None = None) -> torch.Tensor:
     """x @ awq.dequantize(qweight, qzeros, scales, group), without the dequantized matrix.
 
     x [T, K] bf16/fp16/fp32; qweight [K, N / 8] int32; qzeros [K / group, N / 8] int32;
-    scales [K / group, N] fp16 (any float dtype is read as given). Returns [T, N] in x.dtype."""
+    scales [K / group, N] fp16 (any float dtype is read as given). Returns [T, N] in x.dtype.
+    split_k: None (the default) splits K as gemm_split_k chooses; an int in 1..K / BLOCK_K forces
+    that many splits (tests and benchmarks: the result is the same sum in another order)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
     if x.dtype not in ACTIVATION_DTYPES:
@@ -165,12 +188,17 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     if k == 0:
         return out.zero_()
     block_m, block_n, block_k, warps, stages = tiles_for(num_tokens, group, x.dtype)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
+    if split_k is None:
+        split_k = gemm_split_k(num_tokens, n, k, group, x.dtype, x.device)
+    check_split_k(split_k, k // block_k)
+    dest = workspace(split_k, out)                       # out, or fp32 [split_k, T, N] partials
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n), split_k)
     _awq_gemm_kernel[grid](
-        x, qweight, qzeros, scales, out, num_tokens, n, k,
-        *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(), *out.stride(),
+        x, qweight, qzeros, scales, dest, num_tokens, n, k,
+        *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(),
+        dest.stride(0) if split_k > 1 else 0, *dest.stride()[-2:],
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_IN_FP32=INTERPRETED,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 would otherwise go through TF32
         num_warps=warps, num_stages=stages)
-    return out
+    return sum_splits(dest, out)

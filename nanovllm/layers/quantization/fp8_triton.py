@@ -1,5 +1,5 @@
 """The block-scaled FP8 GEMM (W8A8: 128 x 128 weight blocks, activations quantized per token per
-group of 128 at run time) in two Triton launches. fp8.py holds the arithmetic in plain PyTorch;
+group of 128 at run time) in two Triton launches (three with split-K). fp8.py holds the arithmetic in plain PyTorch;
 this module computes the same thing on the device.
 
   x [T, K] (bf16/fp16/fp32)   q [N, K] fp8 e4m3   scale_inv [ceil(N / bn), ceil(K / bk)] fp32
@@ -10,8 +10,9 @@ this module computes the same thing on the device.
                      largest |x| maps to 448: scale = max(amax / 448, MIN_SCALE),
                      xq = fp8(clamp(x / scale, -448, 448)); the formula of
                      fp8.quantize_per_token_group, bit for bit (both divisions correctly rounded).
-  _block_fp8_matmul_kernel        grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): each program owns a
-                     [BLOCK_M, BLOCK_N] output tile and walks K in steps of BLOCK_K:
+  _block_fp8_matmul_kernel        grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N), S): each program owns a
+                     [BLOCK_M, BLOCK_N] output tile and walks its split's share of K (all of it
+                     when S = 1) in steps of BLOCK_K:
                        acc += dot(xq[m, k-tile], q[n, k-tile]^T) * x_scale[m, kb] * w_scale[n // bn, kb]
                      with kb = k0 // bk. BLOCK_K divides bk, so a K tile lies inside one scale block
                      and each of its rows (columns) has one activation (weight) scale; the fp8 x fp8
@@ -21,6 +22,11 @@ this module computes the same thing on the device.
                      The columns' weight scales are looked up per column (offs_n // bn), so BLOCK_N
                      need not divide bn. Ragged T, N and K are masked (masked loads give 0: padding
                      adds nothing).
+  split-K (split_k.py) at decode, when ceil(N / BLOCK_N) programs would leave SMs idle: S > 1
+                     splits of whole K tiles (so still one scale per row and column of a tile),
+                     fp32 partials into a workspace [S, T, N], summed in a fixed order by
+                     split_k._sum_splits_kernel and rounded once to the output dtype. S = 1 writes
+                     the output directly.
 
 Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on CPU
 tensors through Triton's interpreter, which is how tests/test_quant_kernels.py checks them. The
@@ -38,14 +44,16 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE
+from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
+                                                  workspace)
 
 # Tiles. The GEMM is a stream over the weight (N * K bytes) with T rows riding along.
-# Decode (T <= DECODE_MAX_TOKENS): one 16-row tile (tl.dot's minimum) holds every token, and narrow
-# N tiles give N / 32 programs (128 for N = 4096, about one per SM of an H200's 132) so the weight
-# stream is spread over the whole chip; 4 stages keep that many K tiles of loads in flight.
+# Decode (T <= DECODE_MAX_TOKENS, split_k.py's): one 16-row tile (tl.dot's minimum) holds every
+# token, and narrow N tiles give N / 32 programs (128 for N = 4096, about one per SM of an H200's
+# 132), times the K splits split_k.py adds while that leaves SMs idle, so the weight stream is
+# spread over the whole chip; 4 stages keep that many K tiles of loads in flight.
 # Prefill: 64 x 128 output tiles reuse each weight tile over 64 tokens (the compute-bound regime);
 # 3 stages of (64 + 128) x 128 fp8 bytes = 72 KB of shared memory.
-DECODE_MAX_TOKENS = 16
 DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_STAGES = 16, 32, 4
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES = 64, 128, 3
 MAX_BLOCK_K = 128              # a K tile of 128: the checkpoints' bk, and DeepSeek-V3's promotion interval
@@ -101,26 +109,33 @@ def _per_token_group_quant_kernel(x_ptr, xq_ptr, xs_ptr, T, K,
 
 @triton.jit
 def _block_fp8_matmul_kernel(xq_ptr, xs_ptr, q_ptr, ws_ptr, out_ptr, T, N, K,
-                             s_xt, s_xk, s_xst, s_xsk, s_qn, s_qk, s_wsn, s_wsk, s_ot, s_on,
+                             s_xt, s_xk, s_xst, s_xsk, s_qn, s_qk, s_wsn, s_wsk, s_os, s_ot, s_on,
                              SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N)): out[m, n] = sum over K tiles of
-    dot(xq, q^T) * xs[m, kb] * ws[n // SCALE_BLOCK_N, kb], kb = k0 // SCALE_BLOCK_K."""
+    """Grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N), S): out[s, m, n] = sum over split s's K tiles of
+    dot(xq, q^T) * xs[m, kb] * ws[n // SCALE_BLOCK_N, kb], kb = k0 // SCALE_BLOCK_K. With S = 1,
+    s_os = 0 and out is the [T, N] result; else the fp32 workspace [S, T, N] that split_k sums."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < T
     n_ok = offs_n < N
+    # split pid_k's K tiles: [pid_k * k_tiles // S, (pid_k + 1) * k_tiles // S), none empty (S <= k_tiles);
+    # the last split's end, k_tiles * BLOCK_K, may pass K: its ragged tile is masked
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_begin = (pid_k * k_tiles // tl.num_programs(2)) * BLOCK_K
+    k_end = ((pid_k + 1) * k_tiles // tl.num_programs(2)) * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = xq_ptr + offs_m[:, None] * s_xt + offs_k[None, :] * s_xk        # [BLOCK_M, BLOCK_K]
-    q_ptrs = q_ptr + offs_n[None, :] * s_qn + offs_k[:, None] * s_qk         # [BLOCK_K, BLOCK_N]: q's tile, transposed
+    x_ptrs = xq_ptr + offs_m[:, None] * s_xt + (k_begin + offs_k[None, :]) * s_xk   # [BLOCK_M, BLOCK_K]
+    q_ptrs = q_ptr + offs_n[None, :] * s_qn + (k_begin + offs_k[:, None]) * s_qk    # [BLOCK_K, BLOCK_N]: q^T's tile
     xs_ptrs = xs_ptr + offs_m * s_xst                                         # [BLOCK_M]
     ws_ptrs = ws_ptr + (offs_n // SCALE_BLOCK_N) * s_wsn                      # [BLOCK_N]: each column's block row
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = offs_k < K - k0                           # only the last K tile is ragged
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(q_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         kb = k0 // SCALE_BLOCK_K                         # the K tile's scale block (BLOCK_K divides it)
@@ -130,8 +145,8 @@ def _block_fp8_matmul_kernel(xq_ptr, xs_ptr, q_ptr, ws_ptr, out_ptr, T, N, K,
         x_ptrs += BLOCK_K * s_xk
         q_ptrs += BLOCK_K * s_qk
 
-    tl.store(out_ptr + offs_m[:, None] * s_ot + offs_n[None, :] * s_on, acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    out_ptrs = out_ptr + pid_k.to(tl.int64) * s_os + offs_m[:, None] * s_ot + offs_n[None, :] * s_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,13 +211,23 @@ def tiles_for(num_tokens: int) -> tuple[int, int, int]:
     return PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES
 
 
+def gemm_split_k(num_tokens: int, n: int, k: int, bk: int, device: torch.device) -> int:
+    """The split count block_fp8_matmul uses for these shapes on this device (split_k.split_k_for
+    over its tiles: > 1 only at decode, when the N tiles leave SMs idle)."""
+    block_m, block_n, _ = tiles_for(num_tokens)
+    return split_k_for(num_tokens, n, k, block_m, block_n, block_k_for(bk), num_sms(device))
+
+
 def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
-                     block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None,
+                     split_k: int | None = None) -> torch.Tensor:
     """x @ w.T with w the block-scaled fp8 weight (q, scale_inv): what fp8.block_fp8_matmul_reference
     computes (x quantized per token per group of block[1], fp8 x fp8 products, fp32 accumulation).
 
     x [T, K] bf16/fp16/fp32; q [N, K] float8_e4m3fn; scale_inv [ceil(N / bn), ceil(K / bk)] fp32,
-    block = (bn, bk). Returns [T, N] in out_dtype (default x.dtype)."""
+    block = (bn, bk). Returns [T, N] in out_dtype (default x.dtype). split_k: None (the default)
+    splits K as gemm_split_k chooses; an int in 1..ceil(K / BLOCK_K) forces that many splits (tests
+    and benchmarks: the result is the same sum in another order)."""
     _check_activations(x)
     if (not isinstance(block, (tuple, list)) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
@@ -231,12 +256,17 @@ def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
         return out
     if k == 0:
         return out.zero_()
+    if split_k is None:
+        split_k = gemm_split_k(num_tokens, n, k, bk, x.device)
+    check_split_k(split_k, triton.cdiv(k, block_k))
     xq, x_scales = per_token_group_quant(x, bk)          # [T, K] fp8, [T, ceil(K / bk)] fp32
     block_m, block_n, stages = tiles_for(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
+    dest = workspace(split_k, out)                       # out, or fp32 [split_k, T, N] partials
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n), split_k)
     _block_fp8_matmul_kernel[grid](
-        xq, x_scales, q, scale_inv, out, num_tokens, n, k,
-        *xq.stride(), *x_scales.stride(), *q.stride(), *scale_inv.stride(), *out.stride(),
+        xq, x_scales, q, scale_inv, dest, num_tokens, n, k,
+        *xq.stride(), *x_scales.stride(), *q.stride(), *scale_inv.stride(),
+        dest.stride(0) if split_k > 1 else 0, *dest.stride()[-2:],
         SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=NUM_WARPS, num_stages=stages)
-    return out
+    return sum_splits(dest, out)
