@@ -54,3 +54,15 @@ def import_kernels(module_name: str, device: str, user: str):
                      f"first imported, e.g. set by an engine with device='cpu' and attention_backend='triton'), "
                      f"and Triton cannot switch modes within a process: run it in a process of its own, without "
                      f"TRITON_INTERPRET")
+
+
+def check_kernel_device(module_name: str, interpreted: bool, *tensors):
+    """ValueError unless the tensors share one device, the one a kernel of module_name (built
+    interpreted or compiled) can read: CPU tensors for interpreted kernels, CUDA ones otherwise."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
+    if (device.type == "cpu") != interpreted:
+        raise ValueError(f"{module_name}'s kernels were built {'interpreted' if interpreted else 'compiled'} "
+                         f"(TRITON_INTERPRET when triton was imported) and cannot run on {device} tensors: "
+                         f"CPU tensors need TRITON_INTERPRET=1, CUDA tensors need it unset")

@@ -35,6 +35,7 @@ import triton.language as tl
 from nanovllm.layers.quantization.awq import PACK
 from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
                                                   workspace)
+from nanovllm.utils.triton_mode import check_kernel_device
 
 # Tiles. A qweight row of a tile is BLOCK_N / 2 bytes: 64 columns make one 32-byte DRAM sector,
 # the least that is worth a read. The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32 before
@@ -121,14 +122,7 @@ INTERPRETED = type(_awq_gemm_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    """One device for all, and the one this process's Triton mode can read (see utils/triton_mode)."""
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
-    if (device.type == "cpu") != INTERPRETED:
-        raise ValueError(f"{__name__}'s kernel was built {'interpreted' if INTERPRETED else 'compiled'} "
-                         f"(TRITON_INTERPRET when triton was imported) and cannot run on {device} tensors: "
-                         f"CPU tensors need TRITON_INTERPRET=1, CUDA tensors need it unset")
+    check_kernel_device(__name__, INTERPRETED, *tensors)
 
 
 def tiles_for(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:

@@ -46,6 +46,7 @@ import triton.language as tl
 from nanovllm.layers.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE
 from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
                                                   workspace)
+from nanovllm.utils.triton_mode import check_kernel_device
 
 # Tiles. The GEMM is a stream over the weight (N * K bytes) with T rows riding along.
 # Decode (T <= DECODE_MAX_TOKENS, split_k.py's): one 16-row tile (tl.dot's minimum) holds every
@@ -157,14 +158,7 @@ INTERPRETED = type(_block_fp8_matmul_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    """One device for all, and the one this process's Triton mode can read (see utils/triton_mode)."""
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
-    if (device.type == "cpu") != INTERPRETED:
-        raise ValueError(f"{__name__}'s kernels were built {'interpreted' if INTERPRETED else 'compiled'} "
-                         f"(TRITON_INTERPRET when triton was imported) and cannot run on {device} tensors: "
-                         f"CPU tensors need TRITON_INTERPRET=1, CUDA tensors need it unset")
+    check_kernel_device(__name__, INTERPRETED, *tensors)
 
 
 def _check_activations(x: torch.Tensor) -> None:
