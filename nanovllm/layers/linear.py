@@ -78,13 +78,10 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant_method is None:
-            return F.linear(x, self.weight, bias)
-        return self.quant_method.apply(self, x, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -166,7 +163,8 @@ class RowParallelLinear(LinearBase):
         load_features(param, loaded, (self.output_size, local * self.tp_size), inp=(self.tp_rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x, self.bias if self.tp_rank == 0 else None)  # the bias is added once, after the sum
+        bias = self.bias if self.tp_rank == 0 else None  # added once, after the sum
+        y = F.linear(x, self.weight, bias) if self.quant_method is None else self.quant_method.apply(self, x, bias)
         if self.tp_size > 1:
             self.tp_group.all_reduce(y)
         return y
