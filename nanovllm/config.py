@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ def resolve_model(name, what: str = "model") -> str:
                              f"name could not be fetched or found in the local cache: {online}") from online
 
 
+# preemption_mode: "recompute" frees a preempted sequence's blocks (its prefix is computed again,
+# or revived from the prefix cache); "swap" keeps them in the host tier (kv_offloading_size).
+PREEMPTION_MODES = ("recompute", "swap")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "draft_model": {"model"}}
 
@@ -159,6 +163,8 @@ class Config:
     kv_cache_dtype: str = "auto"
     speculative_config: dict | str | None = None
     quantization: str | None = None
+    kv_offloading_size: float = 0
+    preemption_mode: str = "recompute"
     speculative: SpeculativeConfig | None = field(init=False, default=None)
     quant_config: QuantizationConfig | None = field(init=False, default=None)
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
@@ -194,6 +200,7 @@ class Config:
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self._check_host_tier()
 
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -228,6 +235,25 @@ class Config:
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
         self.dtype = self._resolve_dtype()
         self._check_tensor_parallel()
+
+    def _check_host_tier(self):
+        """kv_offloading_size (GiB of host memory for the prefix cache's second tier, over all
+        ranks together) and preemption_mode, and what each needs."""
+        size = self.kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)):
+            raise TypeError(f"kv_offloading_size must be a number of GiB (0: no host tier), got {size!r}")
+        if not (math.isfinite(size) and size >= 0):
+            raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0 (0: no host tier), got {size}")
+        if not isinstance(self.preemption_mode, str) or self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not (size > 0 and self.enable_prefix_caching):
+            raise ValueError("preemption_mode='swap' keeps preempted sequences' blocks in the host tier: it needs "
+                             f"kv_offloading_size > 0 (got {size}) and enable_prefix_caching=True "
+                             f"(got {self.enable_prefix_caching})")
+        if size > 0 and self.speculative is not None and self.speculative.method == "draft_model":
+            # (its cache mirrors the target's blocks: an offloaded block would need its K/V too)
+            raise ValueError("kv_offloading_size > 0 is not supported with speculative decoding by a draft model "
+                             "(method 'draft_model'); n-gram speculation ('ngram') works with it")
 
     def _check_tensor_parallel(self):
         """Every split the sharded layers make must be exact."""

@@ -39,6 +39,13 @@ class LLM(LLMEngine):
         bf16/fp32 checkpoint); None reads the checkpoint's config.json (block-quantized FP8 and
         AWQ int4 checkpoints load as they are; "fp8" or "awq" may then name the same method).
         Embeddings, norms, MoE routers and the LM head stay unquantized (layers/quantization).
+    kv_offloading_size: GiB of host memory for a second tier of the prefix cache (vLLM's name),
+        over all tensor-parallel ranks together (each holds size / tensor_parallel_size: its shard
+        of the same blocks); cached blocks evicted from the device are kept there and reloaded on
+        a later prefix hit. 0: off. Not with a draft model (speculative_config "draft_model").
+    preemption_mode: "recompute" (a preempted sequence's blocks are freed and its tokens computed
+        again) or "swap" (they are kept in the host tier: needs kv_offloading_size > 0 and
+        enable_prefix_caching).
     """
 
     def __init__(self, model: str, *, device: str | None = None, dtype: str | torch.dtype | None = None,
@@ -48,7 +55,8 @@ class LLM(LLMEngine):
                  num_kvcache_blocks: int | None = None, enable_prefix_caching: bool = True,
                  async_scheduling: bool = True, attention_backend: str | None = None, load_format: str = "auto",
                  kv_cache_dtype: str = "auto", speculative_config: dict | str | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_offloading_size: float = 0,
+                 preemption_mode: str = "recompute"):
         super().__init__(Config(
             model, device=device, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -56,4 +64,5 @@ class LLM(LLMEngine):
             kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             attention_backend=attention_backend, load_format=load_format,
-            kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config, quantization=quantization))
+            kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config, quantization=quantization,
+            kv_offloading_size=kv_offloading_size, preemption_mode=preemption_mode))
