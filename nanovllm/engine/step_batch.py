@@ -15,6 +15,13 @@ class StepBatch:
     its row (`fixed_tokens`, the rare token the sampler redrew after it was written; `draft_tokens`,
     a speculative step's drafts, which it computes and verifies). The block
     tables also live on the device, one row each; `new_blocks` holds the entries this step adds.
+
+    The host tier of the prefix cache (kv_offloading_size): before the step's forward, every rank
+    copies its shard of whole KV blocks (every layer, K and V) between device blocks and host
+    slots, as the block manager decided: first `offloads` (device -> host: a block evicted from
+    the device whose contents are kept), then `reloads` (host -> device: a prefix hit in the host
+    tier, into a freshly allocated block). An offload reads a block's contents from before the
+    step's reloads, so a block may be offloaded and reloaded into in the same step.
     """
     rows: np.ndarray       # [B] int32 (int32 throughout: the message to the other ranks stays small)
     starts: np.ndarray     # [B] int32
@@ -30,6 +37,8 @@ class StepBatch:
     # prompt logprobs: (sequence index in the step, first new token whose hidden state predicts a
     # prompt token, how many do, top k): logprobs of the prompt tokens after them
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    offloads: np.ndarray | None = None  # [n, 2] int32 (device block id, host slot): device -> host
+    reloads: np.ndarray | None = None   # [m, 2] int32 (host slot, device block id): host -> device
 
     @property
     def num_seqs(self) -> int:
