@@ -1,4 +1,5 @@
 import logging
+import weakref
 from dataclasses import dataclass, replace
 from time import perf_counter
 
@@ -45,6 +46,30 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def pinned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor in page-locked memory, so that copies between it and the device are
+    asynchronous DMA. Registered with cudaHostRegister rather than allocated with pin_memory=True:
+    torch's pinned allocator rounds every allocation up to a power of two bytes (a 40 GiB host
+    tier would lock 64 GiB). Unregistered when the tensor is freed."""
+    t = torch.empty(shape, dtype=dtype)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+    weakref.finalize(t, _unregister_host_memory, t.data_ptr()).atexit = False  # (at exit the process goes anyway)
+    return t
+
+
+def _unregister_host_memory(ptr: int):
+    torch.cuda.synchronize()  # (no copy may still be reading or writing it)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first index, first slot, count) of each run of consecutive host slots in slots [n]: each
+    run is one copy. [5, 6, 7, 2] -> [(0, 5, 3), (3, 2, 1)]."""
+    breaks = np.flatnonzero(np.diff(slots.astype(np.int64)) != 1) + 1
+    firsts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(slots)]])
+    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(firsts, ends)]
 
 
 def flatten_writes(writes: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -251,6 +276,7 @@ class ModelRunner:
         # speculative decoding's draft model: on rank 0 alone (engine/draft_model.py)
         self.drafter = DraftModel(config, self) if config.draft_hf_config is not None and self.rank == 0 else None
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.num_host_blocks = self._allocate_host_cache()
         self.graphs = self._capture_graphs() if self.use_graphs else None
         # speculative decode steps (a last token and up to k drafts per sequence) have their own
         self.verify_graphs = (self._capture_graphs(query_len=1 + config.speculative.num_speculative_tokens)
@@ -367,6 +393,120 @@ class ModelRunner:
         self.sampler(logits, batch)
         del logits, kept
 
+    # ---- host tier ----------------------------------------------------------------------------
+    # The prefix cache's second tier (kv_offloading_size): host slots of whole KV blocks, laid out
+    # per block, [num_host_blocks, 2 (K/V), layers, block_size, Hkv, D], so that one block of every
+    # layer is one contiguous run of bytes. A block then moves in one copy (or a run of consecutive
+    # slots does) instead of 2 * layers small strided ones: the device side is gathered into the
+    # same layout first, one kernel for all of a step's blocks. The block manager picks the blocks
+    # (StepBatch.offloads / reloads); every rank moves its own shard of them.
+    def _allocate_host_cache(self) -> int:
+        """The host tier's slots (self.host_cache, None when off), and how many there are:
+        kv_offloading_size GiB over all ranks, size / tp on each, the same count on every rank."""
+        self.host_cache, self.copy_stream, self._copy_events = None, None, []
+        self._copy_stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "offloaded_bytes": 0, "reloaded_bytes": 0,
+                            "copy_time_s": 0.0}
+        config = self.config
+        if not config.kv_offloading_size:
+            return 0
+        block_bytes = self.kv_block_bytes()  # (this rank's shard; no draft model: Config refuses it)
+        num_blocks = int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size) // block_bytes
+        if self.group is not None:  # (equal shapes give equal counts; the smallest, to be sure)
+            count = self.group.all_reduce(torch.tensor([num_blocks], device=self.device), dist.ReduceOp.MIN)
+            num_blocks = int(count.item())
+        if num_blocks < 1:
+            raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block: one takes "
+                             f"{block_bytes * config.tensor_parallel_size} bytes over all ranks; raise it, or 0: off")
+        shape = (num_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        if self.device.type == "cuda":
+            self.host_cache = pinned_host_tensor(shape, config.kv_dtype)
+            self.copy_stream = torch.cuda.Stream(self.device)
+        else:
+            self.host_cache = torch.empty(shape, dtype=config.kv_dtype)
+        return num_blocks
+
+    def _copy_blocks(self, batch: StepBatch):
+        """The step's host-tier copies, on every rank before its forward: batch.offloads, then
+        batch.reloads. On CUDA they run on a stream of their own, outside any CUDA graph, and the
+        host does not wait: the copy stream first waits for the compute stream, where earlier
+        steps' forwards (queued, maybe not run yet) write the K/V an offload reads and read the
+        blocks a reload overwrites; the compute stream then waits for the copies before this
+        step's forward. On CPU the same copies run in order, at once."""
+        offloads = batch.offloads if batch.offloads is not None and len(batch.offloads) else None
+        reloads = batch.reloads if batch.reloads is not None and len(batch.reloads) else None
+        if offloads is None and reloads is None:
+            return
+        if self.copy_stream is None:
+            start = perf_counter()
+            self._move_blocks(offloads, reloads)
+            self._copy_stats["copy_time_s"] += perf_counter() - start
+        else:
+            self._collect_copy_times()
+            compute = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(compute)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.copy_stream):
+                start.record()
+                self._move_blocks(offloads, reloads)
+                end.record()
+            compute.wait_event(end)
+            self._copy_events.append((start, end))
+        block_bytes = self.host_cache[0].nbytes
+        for name, pairs in (("offloaded", offloads), ("reloaded", reloads)):
+            count = len(pairs) if pairs is not None else 0
+            self._copy_stats[f"{name}_blocks"] += count
+            self._copy_stats[f"{name}_bytes"] += count * block_bytes
+
+    def _move_blocks(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
+        """The copies, on the current stream: offloads [n, 2] (device block, host slot), one gather
+        of the blocks on the device, then one copy per run of consecutive slots to the host; then
+        reloads [m, 2] (host slot, device block), the reverse. The device tensors made here are
+        allocated, used and freed on this one stream, so the caching allocator hands their memory
+        only to work queued after them: they need no keeping alive (nor the pinned index buffers,
+        which to_device's allocator holds until their copies are done)."""
+        blocks = self.kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks + 1, 2, L, bs, Hkv, D] (a view)
+        if offloads is not None:
+            gathered = blocks[to_device(offloads[:, 0].astype(np.int64), self.device)].contiguous()  # [n, 2, L, ...]
+            for first, slot, count in slot_runs(offloads[:, 1]):
+                self.host_cache[slot:slot + count].copy_(gathered[first:first + count], non_blocking=True)
+        if reloads is not None:
+            staging = torch.empty((len(reloads), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype,
+                                  device=self.device)  # [m, 2, L, ...]
+            for first, slot, count in slot_runs(reloads[:, 0]):
+                staging[first:first + count].copy_(self.host_cache[slot:slot + count], non_blocking=True)
+            blocks[to_device(reloads[:, 1].astype(np.int64), self.device)] = staging
+
+    @property
+    def copy_stats(self) -> dict:
+        """This rank's host-tier copies so far: offloaded_blocks, reloaded_blocks, offloaded_bytes,
+        reloaded_bytes, and copy_time_s (CUDA: the copy stream's time in the copies that have
+        finished by now, read from its events without waiting for the others)."""
+        self._collect_copy_times()
+        return dict(self._copy_stats)
+
+    def _collect_copy_times(self):
+        """Add the device time of the finished copies to copy_time_s (CUDA; no host sync)."""
+        pending = []
+        for start, end in self._copy_events:
+            if end.query():
+                self._copy_stats["copy_time_s"] += start.elapsed_time(end) / 1000
+            else:
+                pending.append((start, end))
+        self._copy_events = pending
+
+    def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
+        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a list of a
+        CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank
+        0 has run it too)."""
+        if self.workers is not None:
+            self.workers.call("gather_blocks", block_ids, slots)
+        if self.copy_stream is not None:  # (the host reads host_cache: the copies must be done)
+            self.copy_stream.synchronize()
+        device = self.kv_cache.permute(2, 0, 1, 3, 4, 5)[torch.tensor(block_ids, device=self.device)]
+        both = torch.stack([device, self.host_cache[torch.tensor(slots)].to(self.device)])
+        parts = self.group.gather(both) if self.group is not None else [both]
+        return [p.cpu() for p in parts] if parts is not None else None
+
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, batch: StepBatch, sampling: SamplingInputs, defer_sampling: bool = False
@@ -382,6 +522,7 @@ class ModelRunner:
         if self.recorder is not None:
             self.recorder.device_step_started()
         try:
+            self._copy_blocks(batch)
             draft_probs = None
             if self.drafter is not None:  # it drafts into the token table first, and writes the step's tables
                 draft_probs = self.drafter.propose(batch, sampling)
@@ -407,7 +548,7 @@ class ModelRunner:
             tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)
             out = SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
-        out.prompt_logprobs = inputs.prompt_logprobs
+        out.prompt_logprobs = inputs.prompt_logprobs if inputs is not None else None
         if self.recorder is not None:
             self.recorder.device_step_ended(batch)
         return out
@@ -415,6 +556,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch):
         """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
+        self._copy_blocks(batch)
         if batch.num_drafts is not None and not batch.draft_tokens:  # rank 0's draft model drafted them
             self.prepare(replace(batch, rows=batch.rows[:0]), None)  # (this step's table writes first)
             batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
@@ -430,10 +572,13 @@ class ModelRunner:
             self._keep_sampled(torch.empty(num_sampled, dtype=torch.int64, device=self.device), inputs)
 
     def _run(self, batch: StepBatch, model, graphs: DecodeGraphs | None,
-             verify_graphs: DecodeGraphs | None = None) -> tuple[torch.Tensor | None, StepInputs]:
+             verify_graphs: DecodeGraphs | None = None) -> tuple[torch.Tensor | None, StepInputs | None]:
         """The forward of a step through model (the target, or the draft model with its graphs),
-        and its logits on rank 0 when a sequence samples (else None)."""
+        and its logits on rank 0 when a sequence samples (else None). A step of no sequences (only
+        table writes, and the host tier's copies before them) runs nothing: (None, None)."""
         inputs = self.prepare(batch, graphs, verify_graphs)
+        if inputs is None:
+            return None, None
         with forward_context(inputs.context):
             if inputs.graph_size:  # (the logits' rows index the replay's padded rows)
                 hidden = inputs.graphs.replay(inputs.rows, inputs.positions, inputs.graph_size, inputs.num_new)
