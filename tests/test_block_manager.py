@@ -503,3 +503,72 @@ def test_grow_takes_lru_block_and_evicts_its_hash():
     assert bm.grow(seq, 5)                 # next LRU free block: a's tail
     assert seq.block_table[1] == tail
     assert h_tail not in bm.hash_to_block
+
+
+# ---- the host tier ----------------------------------------------------------------------------
+def host_manager(num_blocks=4, num_host_blocks=2, block_size=4):
+    return BlockManager(num_blocks, block_size, num_host_blocks=num_host_blocks)
+
+
+def test_an_evicted_cached_block_is_written_back_then_reloaded_on_a_hit():
+    bm = host_manager()
+    a = make_seq(list(range(1, 10)))                       # 2 full blocks + 1 token: 3 blocks
+    assert bm.allocate(a) == 0
+    bm.cache_full_blocks(a, 9)
+    a_blocks, a_hashes = list(a.block_table[:2]), list(a.block_hashes)
+    bm.free_blocks(a)
+    assert bm.take_copies() == (None, None)                # nothing is evicted yet
+    b = make_seq(list(range(50, 63)))                      # 4 blocks: every block, A's cached ones too
+    assert bm.allocate(b) == 0
+    offloads, reloads = bm.take_copies()
+    assert reloads is None and sorted(offloads[:, 0].tolist()) == sorted(a_blocks)
+    assert set(bm.host.entries) == set(a_hashes) and not bm.hash_to_block.keys() & set(a_hashes)
+    bm.free_blocks(b)
+    again = make_seq(list(range(1, 10)))
+    assert bm.allocate(again) == 8                         # both full blocks, from the host
+    offloads, reloads = bm.take_copies()
+    slots = {bm.host.entries[h].slot for h in a_hashes}
+    assert set(reloads[:, 0].tolist()) == slots and reloads[:, 1].tolist() == again.block_table[:2]
+    assert again.block_hashes == a_hashes and bm.num_host_hit_tokens == 8 and bm.num_cached_tokens == 8
+    assert [bm.hash_to_block[h] for h in a_hashes] == again.block_table[:2]   # published on the device again
+
+
+def test_the_device_tier_is_tried_first_and_nothing_is_copied_for_its_hits():
+    bm = host_manager(num_blocks=8)
+    a = make_seq(list(range(1, 10)))
+    bm.allocate(a)
+    bm.cache_full_blocks(a, 9)
+    bm.free_blocks(a)
+    again = make_seq(list(range(1, 10)))
+    assert bm.allocate(again) == 8 and bm.take_copies() == (None, None) and bm.num_host_hit_tokens == 0
+
+
+def test_host_slots_are_evicted_least_recently_used_and_never_under_a_pending_reload():
+    bm = host_manager(num_blocks=3, num_host_blocks=1, block_size=2)
+    first = make_seq([1, 2, 3])                            # one full block
+    bm.allocate(first)
+    bm.cache_full_blocks(first, 3)
+    bm.free_blocks(first)
+    other = make_seq([7, 8, 9, 10, 11])                    # 3 blocks: evicts first's block to the host
+    bm.allocate(other)
+    assert len(bm.take_copies()[0]) == 1 and bm.host.num_used == 1
+    bm.cache_full_blocks(other, 5)
+    bm.free_blocks(other)
+    # a hit on first's block (host) and a write-back of other's blocks in the same allocation:
+    # the only slot is pinned by the reload, so those offloads are dropped, not written over it
+    again = make_seq([1, 2, 3, 4, 5])
+    assert bm.allocate(again) == 2
+    offloads, reloads = bm.take_copies()
+    assert offloads is None and len(reloads) == 1 and not bm.host.pinned
+
+
+def test_swap_preemption_writes_a_victims_cached_blocks_back_at_once():
+    bm = host_manager(num_blocks=6, num_host_blocks=4)
+    seq = make_seq(list(range(1, 10)))
+    bm.allocate(seq)
+    bm.cache_full_blocks(seq, 9)
+    blocks = list(seq.block_table[:2])
+    bm.free_blocks(seq, swap=True)
+    offloads, _ = bm.take_copies()
+    assert sorted(offloads[:, 0].tolist()) == sorted(blocks) and bm.host.num_used == 2
+    assert all(h in bm.hash_to_block for h in bm.host.entries)     # on both tiers until the device reuses them

@@ -63,6 +63,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.setup_config(block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared, initial)
 
     speculative: SpeculativeConfig | None = None  # (SpeculativeMachine's)
+    num_host_blocks, preemption_mode = 0, "recompute"  # (HostTierMachine's)
 
     def setup_config(self, block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared,
                      initial):
@@ -72,12 +73,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.budget, self.max_seqs, self.max_model_len = budget, max_seqs, max_model_len
         cfg = SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                              speculative=self.speculative)
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+                              speculative=self.speculative, preemption_mode=self.preemption_mode)
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                               num_host_blocks=self.num_host_blocks)
         self.sched = Scheduler(cfg, self.bm, eos_token_ids={EOS})
         self.shared_prefixes = shared
         self.seqs: list[Sequence] = []   # every sequence ever created, forks included
         self.kv: dict[int, tuple] = {}   # fake KV cache: slot -> the token prefix its K/V were computed from
+        self.host_kv: dict[int, list] = {}  # fake host tier: host slot -> its block's slots' entries of kv
         self.num_steps = 0
         for request in initial:  # every run starts with some work
             self.add(request)
@@ -101,6 +104,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         was_finished = {s.seq_id for s in self.seqs if s.is_finished}
         before = {s.seq_id: (s.num_tokens, s.num_computed_tokens) for s in sched.running}
         planned = sched.schedule()
+        if planned is not None:
+            self.copy_blocks(planned)
         self.num_steps += 1
         if self.live():
             assert planned is not None, "no progress: nothing scheduled while requests remain"
@@ -173,6 +178,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert s.num_computed_tokens == start + n
         assert updated == samplers  # synchronous: none can have finished in between
         self.check_structure()
+
+    def copy_blocks(self, planned):
+        """The host tier's copies, as the model runner makes them before the step's forward: every
+        offload (device block -> host slot), then every reload (host slot -> device block)."""
+        bs = self.bs
+        for block_id, slot in planned.offloads if planned.offloads is not None else []:
+            self.host_kv[int(slot)] = [self.kv.get(int(block_id) * bs + j) for j in range(bs)]
+        for slot, block_id in planned.reloads if planned.reloads is not None else []:
+            assert int(slot) in self.host_kv, f"reload from host slot {slot}, which nothing was offloaded to"
+            for j, entry in enumerate(self.host_kv[int(slot)]):
+                self.kv[int(block_id) * bs + j] = entry
 
     # ------------------------------------------------------------------ rules
     def add(self, request):
@@ -292,6 +308,24 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if parent.generation == generation and parent.hash is not None:  # parent still intact
                     assert parent.hash == prev_of_last
 
+        # The host tier: each entry's slot holds, in the fake host cache, the K/V of the prefix its
+        # key stands for; slots are used once each; nothing stays pinned between steps.
+        host = bm.host
+        if host is not None:
+            slots = [entry.slot for entry in host.entries.values()]
+            assert len(set(slots)) == len(slots) and not set(slots) & set(host.free_slots)
+            assert len(slots) + len(host.free_slots) == host.num_slots and not host.pinned
+            for key, entry in host.entries.items():
+                contents = self.host_kv.get(entry.slot)
+                assert contents is not None and contents[-1] is not None, f"host slot {entry.slot} never written"
+                prefix = list(contents[-1])
+                assert len(prefix) % self.bs == 0 and prefix[-self.bs:] == entry.token_ids
+                assert all(contents[j] == contents[-1][:len(prefix) - self.bs + j + 1] for j in range(self.bs))
+                prev = None
+                for i in range(len(prefix) // self.bs):
+                    parent, prev = prev, block_manager_module.chain_hash(prev, prefix[i * self.bs:(i + 1) * self.bs])
+                assert prev == key and parent == entry.parent_hash, f"host slot {entry.slot} holds another prefix"
+
     def teardown(self):
         if not hasattr(self, "sched"):
             return
@@ -350,6 +384,30 @@ class SpeculativeMachine(SchedulerMachine):
         self.setup_config(block_size, extra_blocks, budget, max_seqs, max_model_len, prefix_caching, shared, initial)
 
 
+class HostTierMachine(SchedulerMachine):
+    """The same machine under KV pressure with a host tier of a few blocks: evicted cached blocks
+    are written back to it and reloaded on a hit (their copies applied to a fake host cache), with
+    swap preemption or recompute. The fake KV checks make every reloaded token's K/V the ones
+    computed from exactly its prefix."""
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 2), host_blocks=st.integers(1, 6),
+                swap=st.booleans(), budget=st.integers(2, 12), max_seqs=st.integers(2, 4),
+                shared=st.lists(prefixes, min_size=1, max_size=3), initial=st.lists(requests, min_size=2, max_size=6))
+    def setup(self, block_size, extra_blocks, host_blocks, swap, budget, max_seqs, shared, initial):
+        self.num_host_blocks, self.preemption_mode = host_blocks, "swap" if swap else "recompute"
+        self.setup_config(block_size, extra_blocks, budget, max_seqs, MAX_MODEL_LEN, True, shared, initial)
+
+    def teardown(self):
+        super().teardown()
+        # the tier was exercised: the runs as a whole reload (hypothesis checks each run's invariants)
+        HostTierMachine.reloaded += self.bm.num_host_hit_tokens
+    reloaded = 0
+
+
+class HostTierCollidingHashMachine(CollidingHashMachine, HostTierMachine):
+    """The host tier with 3-bit keys: a host hit too must be verified by its tokens and parent key."""
+
+
 SchedulerMachine.TestCase.settings = PROPERTY_SETTINGS
 test_scheduler_state_machine = SchedulerMachine.TestCase
 PressureMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=100)
@@ -358,6 +416,17 @@ CollidingHashMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_example
 test_scheduler_with_colliding_hashes = CollidingHashMachine.TestCase
 SpeculativeMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=150)
 test_scheduler_with_speculative_steps = SpeculativeMachine.TestCase
+HostTierMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=150)
+test_scheduler_with_a_host_tier = HostTierMachine.TestCase
+HostTierCollidingHashMachine.TestCase.settings = settings(PROPERTY_SETTINGS, max_examples=80)
+test_host_tier_with_colliding_hashes = HostTierCollidingHashMachine.TestCase
+
+
+def test_the_host_tier_machine_reloads():
+    """Its runs must actually serve prompts from the host tier (run after the machine above)."""
+    if HostTierMachine.reloaded == 0:
+        HostTierMachine.TestCase("runTest").runTest()
+    assert HostTierMachine.reloaded > 0
 
 
 def test_abort_of_unqueued_fork_stays_finished():

@@ -83,7 +83,7 @@ class LLMEngine:
         workers = Workers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner = ModelRunner(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.model_runner.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, eos)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
@@ -533,8 +533,12 @@ class LLMEngine:
     def stats(self) -> dict:
         """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
         and waiting (samples not started yet included), and cumulative counts (preemptions, prompt
-        tokens served by the prefix cache, speculative decoding's drafts and accepted tokens)."""
-        spec = self.scheduler.spec_stats
+        tokens served by the prefix cache, speculative decoding's drafts and accepted tokens), and
+        the host tier's (kv_offloading_size): its blocks, the prompt tokens each tier was asked
+        for and served, and rank 0's copies (bytes each way, seconds the copies took)."""
+        spec, bm = self.scheduler.spec_stats, self.block_manager
+        device_hits = bm.num_cached_tokens - bm.num_host_hit_tokens
+        copies = self.model_runner.copy_stats
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_running": len(self.scheduler.running), "num_waiting": self.scheduler.num_waiting_samples(),
@@ -544,4 +548,10 @@ class LLMEngine:
                 "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
                 "spec_num_accepted_tokens": spec.num_accepted_tokens,
                 "spec_num_accepted_tokens_per_pos": list(spec.accepted_per_position),
-                "tp_message_bytes": self.model_runner.last_message_bytes}
+                "tp_message_bytes": self.model_runner.last_message_bytes,
+                "prefix_cache_queries": bm.num_queried_tokens, "prefix_cache_hits": device_hits,
+                "num_host_blocks": bm.host.num_slots if bm.host is not None else 0,
+                "num_host_blocks_used": bm.host.num_used if bm.host is not None else 0,
+                "host_cache_queries": bm.num_queried_tokens - device_hits, "host_cache_hits": bm.num_host_hit_tokens,
+                "kv_offloaded_bytes": copies["offloaded_bytes"], "kv_reloaded_bytes": copies["reloaded_bytes"],
+                "kv_copy_time_s": copies["copy_time_s"]}

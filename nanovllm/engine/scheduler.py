@@ -50,6 +50,8 @@ class ScheduledStep:
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
     constrained: bool = False  # some sequence has a grammar (structured outputs): complete() feeds it
+    offloads: "np.ndarray | None" = None  # the host tier's copies before the forward (see StepBatch)
+    reloads: "np.ndarray | None" = None
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
@@ -61,6 +63,7 @@ class ScheduledStep:
         if self.num_draft_tokens:
             batch.num_drafts, batch.draft_tokens = np.array(self.num_drafts, dtype=np.int32), self.draft_tokens
         batch.prompt_logprobs = self.prompt_logprobs
+        batch.offloads, batch.reloads = self.offloads, self.reloads
         return batch
 
 
@@ -88,6 +91,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        # preemption_mode="swap": a victim's cached blocks go to the host tier at once (its last,
+        # partial block is recomputed); "recompute": they stay cached until reused
+        self.swap_on_preemption = config.preemption_mode == "swap"
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
         spec = config.speculative
         self.speculative = spec is not None
@@ -138,6 +144,7 @@ class Scheduler:
                              if seq.status is SequenceStatus.RUNNING]  # (else its row is gone: it re-uploads)
         self.token_fixes = []
         self._queue_forks(step)
+        step.offloads, step.reloads = self.block_manager.take_copies()
         return step
 
     def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, draft: bool = True) -> int:
@@ -280,7 +287,7 @@ class Scheduler:
             seq.forks = []
 
     def _preempt(self, seq: Sequence):
-        self.block_manager.free_blocks(seq)
+        self.block_manager.free_blocks(seq, swap=self.swap_on_preemption)
         self.batch_state.free_row(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -388,6 +388,8 @@ class AsyncEngine:
                       "kv_cache_usage": (stats["num_blocks"] - stats["num_free_blocks"]) / stats["num_blocks"],
                       **{key: stats[key] for key in ("num_cached_tokens", "num_preemptions", "spec_num_drafts",
                                                      "spec_num_draft_tokens", "spec_num_accepted_tokens",
-                                                     "spec_num_accepted_tokens_per_pos")}}
+                                                     "spec_num_accepted_tokens_per_pos", "prefix_cache_queries",
+                                                     "host_cache_queries", "host_cache_hits", "kv_offloaded_bytes",
+                                                     "kv_reloaded_bytes", "kv_copy_time_s")}}
         if self.metrics is not None:
             self.metrics.stepped(self.stats)

@@ -25,6 +25,18 @@ class ServingMetrics:
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated and returned.", registry=r)
         self.prefix_cache_hits = Counter("nanovllm:prefix_cache_hit_tokens",
                                          "Prompt tokens served by the prefix cache.", registry=r)
+        self.prefix_cache_queries = Counter("nanovllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.host_cache_queries = Counter("nanovllm:host_cache_queries", "Prompt tokens looked up in the host "
+                                          "tier of the prefix cache (those the device tier missed).", registry=r)
+        self.host_cache_hits = Counter("nanovllm:host_cache_hit_tokens", "Prompt tokens the host tier served "
+                                       "(reloaded to the device).", registry=r)
+        self.kv_offloaded = Counter("nanovllm:kv_offload_bytes", "KV bytes copied to the host tier (rank 0).",
+                                    registry=r)
+        self.kv_reloaded = Counter("nanovllm:kv_reload_bytes", "KV bytes copied back from the host tier (rank 0).",
+                                   registry=r)
+        self.kv_copy_time = Counter("nanovllm:kv_copy_seconds", "Time the host tier's copies took (rank 0).",
+                                    registry=r)
         self.preemptions = Counter("nanovllm:num_preemptions", "Sequences preempted (to be recomputed).",
                                    registry=r)
         self.ttft = Histogram("nanovllm:time_to_first_token_seconds", "Time to first token.",
@@ -66,7 +78,11 @@ class ServingMetrics:
         self.kv_usage.set(stats["kv_cache_usage"])
         for key, counter in (("num_cached_tokens", self.prefix_cache_hits), ("num_preemptions", self.preemptions),
                              ("spec_num_drafts", self.spec_drafts), ("spec_num_draft_tokens", self.spec_draft_tokens),
-                             ("spec_num_accepted_tokens", self.spec_accepted_tokens)):
+                             ("spec_num_accepted_tokens", self.spec_accepted_tokens),
+                             ("prefix_cache_queries", self.prefix_cache_queries),
+                             ("host_cache_queries", self.host_cache_queries), ("host_cache_hits", self.host_cache_hits),
+                             ("kv_offloaded_bytes", self.kv_offloaded), ("kv_reloaded_bytes", self.kv_reloaded),
+                             ("kv_copy_time_s", self.kv_copy_time)):
             self._advance(counter, key, stats[key])
         for position, value in enumerate(stats["spec_num_accepted_tokens_per_pos"]):
             self._advance(self.spec_accepted_per_pos.labels(position=str(position)), f"per_pos_{position}", value)
