@@ -82,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--dummy", default="qwen3-tiny", choices=sorted(PRESETS), help="random weights of this shape")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-len", type=int, default=512, help="tokens of the shared system prompt")
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--answer-len", type=int, default=16)

@@ -13,28 +13,29 @@
 #      draft model equal to the target (the mechanism's bound: every draft accepted),
 #   6. quantization: the GEMM micro-benchmark (bf16, block FP8, AWQ), the decode kernel over an
 #      FP8 KV cache, and one short bench.py workload in bf16, fp8 (online), an FP8 block
-#      checkpoint's shape, an AWQ checkpoint's shape and with an FP8 KV cache.
+#      checkpoint's shape, an AWQ checkpoint's shape and with an FP8 KV cache,
+#   7. the multi-turn benchmark of the prefix cache's host tier, off and on, at the 0.6B shape.
 # A one-line summary per step (pass/fail, seconds) ends the log; the exit status is 0 only if
 # every step that ran passed.
 # Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
 # The log goes to $OUT/gpu_check.log ($OUT is the device tool's output folder; elsewhere it
 # defaults to /tmp/gpu_check).
 #
-# Time boxes (seconds), 560 in all: gpu tests 80, Triton kernel tests 90, the one-test rerun 30,
+# Time boxes (seconds), 585 in all: gpu tests 80, Triton kernel tests 90, the one-test rerun 30,
 # decode micro-benchmark 20, bench.py vs HF 75, synchronous bench.py 40, MoE bench.py 60,
 # batch-1 decode without speculation, with n-gram and with draft-model speculation 20 each,
 # quantized GEMM and fp8-KV decode micro-benchmarks 12 each, the five short quantization
-# bench.py runs 20 each.
+# bench.py runs 20 each, the multi-turn host-tier benchmark 25.
 # A step that reaches its box gets SIGINT (pytest then still prints its failures, durations and
 # the test it was in; python prints a traceback), and SIGKILL 15 s later if it is still running.
-# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 560, so
+# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 585, so
 # the script ends within 10 minutes whatever happens; a smaller one makes a quick dry run); a
 # step with under MIN_STEP_S left is skipped and reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-560}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-585}
 MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
 KILL_AFTER_S=15        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
 mkdir -p "$OUT"
@@ -137,6 +138,9 @@ run "bench.py short workload, quantization=fp8 (online, per channel)" 20 "${QUAN
 run "bench.py short workload, FP8 block checkpoint shape" 20 "${QUANT[@]}" --dummy qwen3-0.6b-fp8
 run "bench.py short workload, AWQ checkpoint shape" 20 "${QUANT[@]}" --dummy qwen3-0.6b-awq
 run "bench.py short workload, fp8 KV cache" 20 "${QUANT[@]}" --kv-cache-dtype fp8
+# the host tier: multi-turn chat of the 0.6B shape, the tier off and on (its copies on the copy stream)
+run "bench_multiturn.py qwen3-0.6b, host tier off and on" 25 python3 scripts/bench_multiturn.py --dummy qwen3-0.6b \
+  --device cuda --conversations 16 --turns 6 --system-len 1024 --question-len 128 --answer-len 32
 echo "=== summary (${BUDGET_S} s budget, $((SECONDS - start_all)) s used)"
 printf '%s\n' "${summary[@]}"
 echo "=== gpu_check exit status $status"

@@ -298,3 +298,16 @@ def test_quantized_gemms_on_the_gpu(tmp_path, prompts, scheme):
     got, expected = run(path, **options), run(reference)
     kl = [sum(math.exp(e[t]) * (e[t] - g[t]) for t in e) for g, e in zip(got, expected)]
     assert sum(kl) / len(kl) < QUANTIZED_GPU_KL[scheme], sum(kl) / len(kl)
+
+
+def test_host_tier_reloads_on_the_copy_stream(model_dir):
+    """The host tier on CUDA (pinned host pool, copy stream and events): a prefix reloaded from
+    host memory gives the tokens and logprobs, bit for bit, of the same prefix served by the
+    device tier (the same K/V), with CUDA graphs for decode."""
+    import test_host_tier as host
+    common = dict(dtype="bfloat16", gpu_memory_utilization=0.3)
+    reloaded, stats = host.run_turns(model_dir, kv_offloading_size=host.HOST_GIB, **host.SMALL_DEVICE, **common)
+    cached, _ = host.run_turns(model_dir, **host.LARGE_DEVICE, **common)
+    assert stats["host_cache_hits"] == host.ALL_HITS and stats["kv_copy_time_s"] >= 0
+    assert [o["token_ids"] for o in reloaded] == [o["token_ids"] for o in cached]
+    assert [o["logprobs"] for o in reloaded] == [o["logprobs"] for o in cached]

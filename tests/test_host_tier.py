@@ -94,3 +94,16 @@ def test_the_host_tier_needs_prefix_caching_to_serve_anything(model_dir):
     outputs, stats = run_turns(model_dir, kv_offloading_size=HOST_GIB, enable_prefix_caching=False, **SMALL_DEVICE)
     assert stats["host_cache_hits"] == 0 and stats["kv_offloaded_bytes"] == 0
     assert [o["num_cached_tokens"] for o in outputs] == [0, 0, 0, 0]
+
+
+def test_bench_multiturn_computes_fewer_prefill_tokens_with_the_host_tier(capsys):
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_multiturn
+    result = bench_multiturn.main(["--conversations", "4", "--turns", "4", "--system-len", "64",
+                                   "--question-len", "32", "--answer-len", "8"])
+    off, on = result["off"], result["on"]
+    assert off["host_cache_hits"] == 0 and on["host_cache_hits"] > 0 and on["kv_reloaded_bytes"] > 0
+    assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+    assert len(on["ttft_ms_per_turn"]) == 4 and "off / on" in capsys.readouterr().out

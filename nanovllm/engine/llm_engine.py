@@ -111,6 +111,10 @@ class LLMEngine:
                     format_bytes(sum(p.nbytes for p in runner.model.parameters())), per_rank, num_blocks,
                     c.block_size, num_tokens, format_bytes(runner.kv_cache.nbytes), per_rank,
                     str(c.kv_dtype).removeprefix("torch."))
+        if runner.num_host_blocks:
+            logger.info("Host tier of the prefix cache: %d blocks = %d tokens, %s%s (preemption_mode=%s)",
+                        runner.num_host_blocks, runner.num_host_blocks * c.block_size,
+                        format_bytes(runner.host_cache.nbytes), per_rank, c.preemption_mode)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx. CUDA graphs: %s", c.max_model_len,
                     num_tokens / c.max_model_len,
                     f"{len(graphs.sizes)} batch sizes captured in {graphs.capture_s:.1f} s" if graphs else "off")
