@@ -348,11 +348,12 @@ def test_hash_collision_same_block_tokens_different_prefix_is_not_a_hit(monkeypa
 
 
 def test_reused_parent_does_not_vouch_for_its_old_child(monkeypatch):
-    """A cached block records its parent as (block id, generation): a parent block that was freed
-    and reused for another prefix does not vouch for the child it had. Here a hash that forgets
-    the prefix makes the child's key collide with the new prefix's, the child's own tokens match,
-    and the parent id matches: only the generation (bumped when a block is taken) tells the hit
-    is wrong (the child's K/V were computed after the parent's old tokens).
+    """A cached block records its parent by the id of the parent's contents (uid, dropped when a
+    block is taken): a parent block that was freed and reused for another prefix does not vouch for
+    the child it had. Here a hash that forgets the prefix makes the child's key collide with the
+    new prefix's, the child's own tokens match, and the parent's block id matches: only the
+    contents' id tells the hit is wrong (the child's K/V were computed after the parent's old
+    tokens).
 
     Today's free order never reuses a parent before its cached child (a sequence's blocks are freed
     tail first, and every holder of a child holds its parent), so the blocks are handed back here

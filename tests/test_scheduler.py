@@ -15,7 +15,7 @@ BIG = 10**6  # a max_model_len / block count that never binds
 
 def make_sched(num_blocks=BIG // 1000, block_size=4, budget=64, max_seqs=8, max_model_len=BIG,
                prefix_caching=True, eos=()):
-    cfg = SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+    cfg = SimpleNamespace(preemption_mode="recompute", max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                           speculative=None)
     return Scheduler(cfg, BlockManager(num_blocks, block_size, prefix_caching), eos_token_ids=set(eos))
 

@@ -60,7 +60,7 @@ def run_scheduler(overlap: bool, seed: int) -> dict[int, list[int]]:
     """A random workload through Scheduler + FakeRank, the loop synchronous or overlapped; the
     completions by request."""
     rng = random.Random(seed)
-    cfg = SimpleNamespace(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.randint(4, 40),
+    cfg = SimpleNamespace(preemption_mode="recompute", max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.randint(4, 40),
                           max_model_len=64, speculative=None)
     block_size = rng.choice([1, 2, 4, 8])
     sched = Scheduler(cfg, BlockManager(64 // block_size + rng.randint(0, 8), block_size), eos_token_ids={0})
@@ -187,7 +187,7 @@ def test_a_sequence_preempted_with_its_last_token_in_flight_finishes_and_leaves_
     """Overlapped: step 2 is planned before step 1 is accounted for, and preempts b, whose step-1
     token is still in flight; that token is a stop token of b's: accounting for step 1 must finish
     b and take it out of the waiting queue, not leave it there to be run again."""
-    cfg = SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, speculative=None)
+    cfg = SimpleNamespace(preemption_mode="recompute", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, speculative=None)
     sched = Scheduler(cfg, BlockManager(3, 4, enable_prefix_caching=False), eos_token_ids=set())
     a = Sequence([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), seed=0)
     stop = det_token([5, 6, 7, 8])  # b's first token

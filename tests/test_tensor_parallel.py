@@ -220,7 +220,7 @@ def test_interpreter_exit_and_ctrl_c_end_workers(model_dir, tmp_path, interrupt)
 def test_decode_message_is_small():
     """A decode step at 256 sequences sends each one's row and position, not its tokens or its table."""
     from types import SimpleNamespace
-    cfg = SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=256 * 1000, max_model_len=2048, speculative=None)
+    cfg = SimpleNamespace(preemption_mode="recompute", max_num_seqs=256, max_num_batched_tokens=256 * 1000, max_model_len=2048, speculative=None)
     sched = Scheduler(cfg, BlockManager(256 * 64, 16), eos_token_ids=set())
     for i in range(256):
         sched.add(Sequence([i % 500 + 1] * 1000, GREEDY, seed=0))

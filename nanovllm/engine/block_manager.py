@@ -4,7 +4,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from nanovllm.engine.host_tier import HostTier
+from nanovllm.engine.host_tier import HostEntry, HostTier
 from nanovllm.engine.sequence import Sequence
 
 
@@ -13,26 +13,28 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     first block).
 
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
-    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parent blocks).
+    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parents).
     """
     return xxhash.xxh64_intdigest(array("q", token_ids).tobytes(), prev_hash or 0)
 
 
 class Block:
-    """One physical KV block. A cached block records what its K/V were computed from: its own
-    tokens and its parent, the block (id, generation) before it in the sequence (None for the
-    first). `generation` counts reallocations, so a parent that was since overwritten no longer
-    matches. Together they verify a hit exactly, whatever the hash does."""
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "parent_hash", "generation")
+    """One physical KV block. A full block records what its K/V were computed from: its own tokens
+    and its parent's contents, by id. `uid` names one computation of a block's K/V: given when a
+    sequence fills the block, kept by a copy of it (a host slot, a block reloaded from there), and
+    dropped when the block is handed out for other tokens; `parent_uid` is the uid of the block
+    before it in its sequence (None for the first). A hit must have the tokens asked for and, as
+    parent, the contents the lookup matched before it: together they verify the whole prefix
+    exactly, on either tier, whatever the hash does."""
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "uid", "parent_uid")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None          # set once the block is full, computed and published
         self.token_ids: list[int] | None = None
-        self.parent: tuple[int, int] | None = None
-        self.parent_hash: int | None = None   # the parent's key (what a host copy of it records)
-        self.generation = 0
+        self.uid: int | None = None
+        self.parent_uid: int | None = None
 
 
 class BlockManager:
@@ -60,6 +62,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self.next_uid = 0  # the next block contents' id
         self.offloads: list[tuple[int, int]] = []  # (device block, host slot), queued for the next step
         self.reloads: list[tuple[int, int]] = []   # (host slot, device block)
         self.num_cached_tokens = 0  # cumulative prefix-cache hits, in tokens, both tiers
@@ -84,8 +87,7 @@ class BlockManager:
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its old contents are about to be overwritten:
             self._offload(block)                # the host tier keeps them
-        block.hash = block.token_ids = block.parent = block.parent_hash = None
-        block.generation += 1
+        block.hash = block.token_ids = block.uid = block.parent_uid = None
         block.ref_count = 1
         return block_id
 
@@ -93,7 +95,7 @@ class BlockManager:
         """Queue a copy of a cached block's K/V to the host tier, unless it is there already."""
         if self.host is None or block.hash in self.host.entries:
             return
-        slot = self.host.reserve(block.hash, block.token_ids, block.parent_hash)
+        slot = self.host.reserve(block.hash, block.token_ids, block.uid, block.parent_uid)
         if slot is not None:
             self.offloads.append((block.block_id, slot))
 
@@ -107,10 +109,10 @@ class BlockManager:
             self.host.unpin()
         return offloads, reloads
 
-    def _match_prefix(self, seq: Sequence) -> list[tuple[int, int | None, int | None, list[int]]]:
+    def _match_prefix(self, seq: Sequence) -> list[tuple[int, int | None, HostEntry | None, list[int]]]:
         """The longest cached run of seq's full blocks, read-only: per block (key, device block id
-        or None, host slot or None, tokens), the device tried first. A device hit must also have
-        the parent the run matched before it (block, generation); a host hit its parent's key.
+        or None, host entry or None, tokens), the device tried first. A hit must hold these tokens
+        after the contents the run matched before it (its parent_uid).
 
         The last token is never served from the cache: the step must compute at least one token
         to produce the logits the next token is sampled from.
@@ -118,23 +120,21 @@ class BlockManager:
         hits = []
         if not self.enable_prefix_caching:
             return hits
-        prev_hash = parent = None
+        prev_hash = prev_uid = None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
             h = chain_hash(prev_hash, tokens)
-            block_id, slot = self.hash_to_block.get(h), None
+            block_id, entry = self.hash_to_block.get(h), None
             if block_id is not None:
                 block = self.blocks[block_id]
-                if block.token_ids != tokens or block.parent != parent:  # a hash collision, or a stale parent
+                if block.token_ids != tokens or block.parent_uid != prev_uid:  # a hash collision
                     block_id = None
             if block_id is None and self.host is not None:
-                slot = self.host.lookup(h, tokens, prev_hash)
-            if block_id is None and slot is None:
+                entry = self.host.lookup(h, tokens, prev_uid)
+            if block_id is None and entry is None:
                 break
-            hits.append((h, block_id, slot, tokens))
-            # (a host hit's device block is allocated later: its identity is not known yet, and
-            # no device block can have it as its parent: the walk continues on the host)
-            prev_hash, parent = h, (block_id, self.blocks[block_id].generation) if block_id is not None else None
+            hits.append((h, block_id, entry, tokens))
+            prev_hash, prev_uid = h, self.blocks[block_id].uid if block_id is not None else entry.uid
         return hits
 
     def allocate(self, seq: Sequence, use_cache: bool = True) -> int | None:
@@ -145,42 +145,40 @@ class BlockManager:
         assert not seq.block_table and seq.num_tokens == len(seq.token_ids)
         hits = self._match_prefix(seq) if use_cache else []
         num_revived = sum(b is not None and self.blocks[b].ref_count == 0 for _, b, _, _ in hits)
-        num_device_hits = sum(b is not None for _, b, _, _ in hits)
-        num_new = self.blocks_needed(seq.num_tokens) - num_device_hits
-        if num_new + num_revived > len(self.free):
+        num_host_hits = sum(b is None for _, b, _, _ in hits)
+        num_new = self.blocks_needed(seq.num_tokens) - len(hits)
+        if num_new + num_host_hits + num_revived > len(self.free):
             return None
-        for h, block_id, _, _ in hits:  # pinned first: no offload below may take a slot a reload reads
+        # Claim the device hits and pin the host hits first: a block taken for a reload below
+        # must be none of them, and no offload it causes may take a slot a reload reads.
+        for h, block_id, _, _ in hits:
             if block_id is None:
                 self.host.use(h)
-        table, seq_hashes = [], []
-        for h, block_id, slot, tokens in hits:
-            if block_id is not None:
+            else:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self.free[block_id]
                 block.ref_count += 1
-            else:  # a host hit: a fresh device block, published once its reload is queued
-                block = self.blocks[self._take_free_block()]
-                self.reloads.append((slot, block.block_id))
-                parent = self.blocks[table[-1]] if table else None
-                self._publish(block, h, tokens, parent, seq_hashes[-1] if seq_hashes else None)
-            table.append(block.block_id)
-            seq_hashes.append(h)
-        seq.block_table = table + [self._take_free_block() for _ in range(num_new - (len(hits) - num_device_hits))]
-        seq.block_hashes = seq_hashes
+        table = []
+        for h, block_id, entry, tokens in hits:
+            if block_id is None:  # a host hit: a fresh device block, published as its reload is queued
+                block_id = self._take_free_block()
+                self.reloads.append((entry.slot, block_id))
+                self._publish(self.blocks[block_id], h, tokens, entry.uid, entry.parent_uid)
+            table.append(block_id)
+        seq.block_table = table + [self._take_free_block() for _ in range(num_new)]
+        seq.block_hashes = [h for h, _, _, _ in hits]
         num_cached = len(hits) * self.block_size
         self.num_cached_tokens += num_cached
-        self.num_host_hit_tokens += (len(hits) - num_device_hits) * self.block_size
+        self.num_host_hit_tokens += num_host_hits * self.block_size
         if use_cache and self.enable_prefix_caching:
             self.num_queried_tokens += (seq.num_tokens - 1) // self.block_size * self.block_size
         self._note_usage()
         return num_cached
 
-    def _publish(self, block: Block, h: int, tokens: list[int], parent: Block | None, parent_hash: int | None):
-        """Register block under key h. parent: the block before it in its sequence (which may be
-        unpublished: an equal block was published first); parent_hash: the previous key of the chain."""
-        block.hash, block.token_ids, block.parent_hash = h, tokens, parent_hash
-        block.parent = (parent.block_id, parent.generation) if parent else None
+    def _publish(self, block: Block, h: int, tokens: list[int], uid: int, parent_uid: int | None):
+        """Register block under key h, as holding the contents `uid` (tokens after parent_uid's)."""
+        block.hash, block.token_ids, block.uid, block.parent_uid = h, tokens, uid, parent_uid
         self.hash_to_block[h] = block.block_id
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -208,10 +206,12 @@ class BlockManager:
             tokens = seq.block_tokens(i, bs)
             h = chain_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            parent_uid = self.blocks[seq.block_table[i - 1]].uid if i else None
+            block.uid, block.parent_uid, self.next_uid = self.next_uid, parent_uid, self.next_uid + 1
             if h in self.hash_to_block:  # an equal block is published already (computed alongside): keep it
                 continue
-            parent = self.blocks[seq.block_table[i - 1]] if i else None
-            self._publish(self.blocks[seq.block_table[i]], h, tokens, parent, hashes[i - 1] if i else None)
+            self._publish(block, h, tokens, block.uid, parent_uid)
 
     def free_blocks(self, seq: Sequence, swap: bool = False):
         """Drop seq's references. Its tail is freed first, so it is also reused first and the more
