@@ -50,8 +50,8 @@ class ScheduledStep:
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
     constrained: bool = False  # some sequence has a grammar (structured outputs): complete() feeds it
-    offloads: "np.ndarray | None" = None  # the host tier's copies before the forward (see StepBatch)
-    reloads: "np.ndarray | None" = None
+    offloads: np.ndarray | None = None  # the host tier's copies before the forward (see StepBatch)
+    reloads: np.ndarray | None = None
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
