@@ -195,3 +195,16 @@ def test_good_options(model_dir):
     assert (Config(model_dir).kv_offloading_size, Config(model_dir).preemption_mode) == (0, "recompute")
     with pytest.raises(ValueError, match="kv_offloading_size"):  # LLM passes them on
         LLM(model_dir, kv_offloading_size=-0.5)
+
+
+def test_copies_move_through_bounded_staging_chunks(runner, monkeypatch):
+    """Many blocks at once move in chunks of model_runner.COPY_STAGING_BYTES, with the same bytes."""
+    import nanovllm.engine.model_runner as runner_module
+    monkeypatch.setattr(runner_module, "COPY_STAGING_BYTES", 3 * runner.host_cache[0].nbytes)  # 3 blocks a chunk
+    ids, slots = [3, 9, 1, 12, 13, 14, 7, 11], [0, 1, 2, 3, 10, 11, 5, 6]
+    before = [block(runner, b) for b in ids]
+    runner._copy_blocks(copy_batch(offloads=list(zip(ids, slots))))
+    assert all(same_bytes(runner.host_cache[s], b) for s, b in zip(slots, before))
+    targets = [15, 0, 2, 4, 5, 6, 8, 10]
+    runner._copy_blocks(copy_batch(reloads=list(zip(slots, targets))))
+    assert all(same_bytes(block(runner, t), b) for t, b in zip(targets, before))

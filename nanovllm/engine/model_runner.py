@@ -33,6 +33,10 @@ GRAPH_MEMORY_MARGIN = 1.25
 # Prompt logprobs are computed from this many rows' logits at a time (a [rows, vocab] float32
 # matrix: 1024 x 151,936 is 620 MB), never the whole prompt's.
 PROMPT_LOGPROBS_ROWS = 1024
+# The host tier's copies move through device staging tensors of at most this many bytes at a time
+# (a whole 100k-token prefix reloaded at once would otherwise need as much free device memory as
+# its K/V: 11 GB for Qwen3-0.6B), so they fit in what the KV sizing leaves beside the cache.
+COPY_STAGING_BYTES = 64 << 20
 # A step's inputs travel in one int64 buffer, each part starting at a multiple of this many
 # elements (16 bytes): Triton specializes kernels on whether a pointer is 16-byte aligned, so a
 # part at an odd offset would compile another variant of every kernel that reads it.
@@ -460,21 +464,25 @@ class ModelRunner:
     def _move_blocks(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
         """The copies, on the current stream: offloads [n, 2] (device block, host slot), one gather
         of the blocks on the device, then one copy per run of consecutive slots to the host; then
-        reloads [m, 2] (host slot, device block), the reverse. The device tensors made here are
+        reloads [m, 2] (host slot, device block), the reverse; both in chunks of at most
+        COPY_STAGING_BYTES. The device tensors made here are
         allocated, used and freed on this one stream, so the caching allocator hands their memory
         only to work queued after them: they need no keeping alive (nor the pinned index buffers,
         which to_device's allocator holds until their copies are done)."""
         blocks = self.kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks + 1, 2, L, bs, Hkv, D] (a view)
-        if offloads is not None:
-            gathered = blocks[to_device(offloads[:, 0].astype(np.int64), self.device)].contiguous()  # [n, 2, L, ...]
-            for first, slot, count in slot_runs(offloads[:, 1]):
+        chunk = max(1, COPY_STAGING_BYTES // self.host_cache[0].nbytes)  # blocks per staging tensor
+        for part in range(0, len(offloads) if offloads is not None else 0, chunk):
+            pairs = offloads[part:part + chunk]
+            gathered = blocks[to_device(pairs[:, 0].astype(np.int64), self.device)].contiguous()  # [n, 2, L, ...]
+            for first, slot, count in slot_runs(pairs[:, 1]):
                 self.host_cache[slot:slot + count].copy_(gathered[first:first + count], non_blocking=True)
-        if reloads is not None:
-            staging = torch.empty((len(reloads), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype,
+        for part in range(0, len(reloads) if reloads is not None else 0, chunk):
+            pairs = reloads[part:part + chunk]
+            staging = torch.empty((len(pairs), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype,
                                   device=self.device)  # [m, 2, L, ...]
-            for first, slot, count in slot_runs(reloads[:, 0]):
+            for first, slot, count in slot_runs(pairs[:, 0]):
                 staging[first:first + count].copy_(self.host_cache[slot:slot + count], non_blocking=True)
-            blocks[to_device(reloads[:, 1].astype(np.int64), self.device)] = staging
+            blocks[to_device(pairs[:, 1].astype(np.int64), self.device)] = staging
 
     @property
     def copy_stats(self) -> dict:
