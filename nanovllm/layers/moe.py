@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear, divide
-from nanovllm.layers.quantization import QuantizationConfig
-from nanovllm.layers.quantization import fp8
+from nanovllm.layers.quantization import QuantizationConfig, fp8
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
 from nanovllm.utils.triton_mode import import_kernels
