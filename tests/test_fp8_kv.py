@@ -8,14 +8,12 @@ caching, preemption, tensor parallelism), which must not change what attention s
 """
 import importlib.util
 import os
-import shutil
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():  # before anything imports triton (transformers does): see test_triton_backend.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from safetensors.torch import load_file, save_file  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
@@ -23,6 +21,7 @@ from nanovllm.engine import model_runner  # noqa: E402
 from nanovllm.entrypoints.args import llm_options  # noqa: E402
 from nanovllm.layers.backends import resolve_backend  # noqa: E402
 from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, TorchBackend, quantize_kv  # noqa: E402
+from nanovllm.utils.tiny_model import edit_model  # noqa: E402
 
 MAX_MODEL_LEN = 400
 # Largest |logprob(fp8) - logprob(auto)| of a token both runs list among their top 5, at any
@@ -208,14 +207,12 @@ def test_fp8_draft_model_speculation_equals_plain_decoding(model_dir, prompts):
 def with_scales(model_dir, folder, k_scale, v_scale, num_layers=2):
     """A copy of the model whose checkpoint has vLLM's per-layer k_scale (a scalar) and v_scale
     (shape [1]; a list: that many values) tensors."""
-    shutil.copytree(model_dir, folder)
-    weights = load_file(folder / "model.safetensors")
-    for i in range(num_layers):
-        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
-        values = v_scale if isinstance(v_scale, list) else [v_scale]
-        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(values, dtype=torch.float32)
-    save_file(weights, folder / "model.safetensors")
-    return str(folder)
+    def add_scales(weights: dict):
+        for i in range(num_layers):
+            weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
+            values = v_scale if isinstance(v_scale, list) else [v_scale]
+            weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(values, dtype=torch.float32)
+    return edit_model(model_dir, folder, add_scales)
 
 
 def test_checkpoint_scales_reach_the_layers(model_dir, prompts, tmp_path):

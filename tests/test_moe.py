@@ -1,16 +1,13 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral): greedy output equal to Hugging Face token for
 token in float32 (alone, batched, with chunked prefill and prefix caching, at TP=2), the router,
 checkpoints with missing or extra expert tensors, and the options that are refused."""
-import json
-import os
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from hf_reference import assert_greedy_matches_hf
 from nanovllm.layers.moe import route, torch_experts
+from nanovllm.utils.tiny_model import edit_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 MAX_MODEL_LEN = 400
@@ -84,32 +81,19 @@ def test_torch_experts_is_the_per_token_sum():
 
 
 # ---- checkpoints and configs that do not fit ----------------------------------------------------
-def edit_checkpoint(src: str, dst, edit) -> str:
-    """A copy of the model folder src whose tensors went through edit(dict)."""
-    os.makedirs(dst, exist_ok=True)
-    for file in os.listdir(src):
-        if not file.endswith(".safetensors"):
-            with open(os.path.join(src, file), "rb") as f, open(os.path.join(dst, file), "wb") as g:
-                g.write(f.read())
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return str(dst)
-
-
 @pytest.mark.parametrize("name, prefix", [("qwen3_moe", "model.layers.1.mlp.experts"),
                                           ("mixtral", "model.layers.0.block_sparse_moe.experts")])
 def test_missing_or_extra_expert_tensors_are_clear_errors(name, prefix, moe_dir, tmp_path):
     path = moe_dir(name)
     up = "up_proj" if name == "qwen3_moe" else "w3"
-    missing = edit_checkpoint(path, tmp_path / "missing", lambda t: t.pop(f"{prefix}.3.{up}.weight"))
+    missing = edit_model(path, tmp_path / "missing", lambda t: t.pop(f"{prefix}.3.{up}.weight"))
     with pytest.raises(ValueError, match=r"no weights for .*experts\.3\.up"):
         LLM(missing, max_model_len=64)
-    extra = edit_checkpoint(path, tmp_path / "extra",
+    extra = edit_model(path, tmp_path / "extra",
                             lambda t: t.update({f"{prefix}.4.{up}.weight": t[f"{prefix}.0.{up}.weight"].clone()}))
     with pytest.raises(ValueError, match=rf"does not use: \['{prefix}\.4\.{up}\.weight'\]"):
         LLM(extra, max_model_len=64)
-    wrong = edit_checkpoint(path, tmp_path / "wrong", lambda t: t.update({f"{prefix}.1.{up}.weight": torch.zeros(3, 64)}))
+    wrong = edit_model(path, tmp_path / "wrong", lambda t: t.update({f"{prefix}.1.{up}.weight": torch.zeros(3, 64)}))
     with pytest.raises(ValueError, match=r"has shape \(3, 64\)"):
         LLM(wrong, max_model_len=64)
 
@@ -121,11 +105,6 @@ def test_missing_or_extra_expert_tensors_are_clear_errors(name, prefix, moe_dir,
     ("num_experts_per_tok", 5, r"num_experts_per_tok=5 must be in \[1, 4\]"),
 ])
 def test_unsupported_moe_options_are_refused(option, value, words, moe_dir, tmp_path):
-    path = edit_checkpoint(moe_dir("qwen3_moe"), tmp_path / option, lambda t: None)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config[option] = value
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    path = edit_model(moe_dir("qwen3_moe"), tmp_path / option, edit_config=lambda config: config.update({option: value}))
     with pytest.raises(ValueError, match=words):
         LLM(path, max_model_len=64)

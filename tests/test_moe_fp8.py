@@ -10,29 +10,28 @@ triton, as in test_moe_kernel.py); on a CUDA machine the same tests run the comp
 Models are built as the engine builds them: in the scope of the engine's QuantizationConfig.
 """
 import importlib.util
-import json
 import os
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.layers.moe import FusedExperts, SparseMoE, route, torch_experts  # noqa: E402
+from nanovllm.layers.moe import FusedExperts, route, torch_experts  # noqa: E402
 from nanovllm.layers.quantization import QuantizationConfig, fp8, quantization_scope  # noqa: E402
 from nanovllm.models.mixtral import MixtralForCausalLM  # noqa: E402
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from nanovllm.models.sparse import num_experts_of  # noqa: E402
 from nanovllm.utils.loader import load_model  # noqa: E402
 from nanovllm.utils.parallel import tensor_parallel  # noqa: E402
+from nanovllm.utils.tiny_model import edit_model  # noqa: E402
 
 try:
     from nanovllm.layers import moe_triton
@@ -119,22 +118,6 @@ def expert_names(prefix, expert):
     return [f"{prefix}.experts.{expert}.{p}_proj.weight" for p in ("gate", "up", "down")]
 
 
-def copy_model(src, dst, edit_tensors, edit_config=None) -> str:
-    """A copy of model folder src whose tensors went through edit_tensors(dict) (and config.json
-    through edit_config(dict))."""
-    shutil.copytree(src, dst)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    edit_tensors(tensors)
-    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    if edit_config is not None:
-        with open(os.path.join(dst, "config.json")) as f:
-            config = json.load(f)
-        edit_config(config)
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(config, f)
-    return str(dst)
-
-
 def quantize_experts_to_blocks(tensors: dict):
     """Every expert weight -> its fp8 weight and float32 weight_scale_inv (the published format)."""
     for name in [n for n in tensors if ".experts." in n]:
@@ -164,9 +147,9 @@ def fp8_models(tiny_models, tmp_path_factory):
     """(unquantized folder, block FP8 folder, the FP8 one dequantized to float32)."""
     path = tiny_models(MODELS, "qwen3_moe_fp8_sizes")
     root = tmp_path_factory.mktemp("fp8_models")
-    block = copy_model(path, root / "block_fp8", quantize_experts_to_blocks,
+    block = edit_model(path, root / "block_fp8", quantize_experts_to_blocks,
                        lambda config: config.update(quantization_config=QUANTIZATION_CONFIG))
-    dequantized = copy_model(block, root / "dequantized", dequantize_experts_from_blocks,
+    dequantized = edit_model(block, root / "dequantized", dequantize_experts_from_blocks,
                              lambda config: config.pop("quantization_config"))
     return path, block, dequantized
 
@@ -271,7 +254,7 @@ def test_block_checkpoint_greedy_equals_the_dequantized_float32_model(fp8_models
 def test_missing_scale_is_reported(fp8_models, tmp_path):
     _, block_dir, _ = fp8_models
     name = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
-    missing = copy_model(block_dir, tmp_path / "missing", lambda t: t.pop(name))
+    missing = edit_model(block_dir, tmp_path / "missing", lambda t: t.pop(name))
     config = AutoConfig.from_pretrained(missing)
     with pytest.raises(ValueError, match=r"no weights for \['model\.layers\.1\.mlp\.experts\.experts\.2\.up\."
                                          r"weight_scale_inv'\]"):

@@ -8,17 +8,14 @@ Qwen3-*-FP8 (fp8 `weight` + `weight_scale_inv` per 128 x 128 block), AWQ as Qwen
 features and 128-wide heads so that every q/k/v and gate/up part, and each rank's share at
 TP=2, is a whole number of 128-blocks and AWQ groups, as in the real models.
 """
-import json
 import math
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import LinearBase
-from nanovllm.utils.tiny_model import (build_model, dequantize_checkpoint, fake_quantize_per_channel,
+from nanovllm.utils.tiny_model import (build_model, dequantize_checkpoint, edit_model, fake_quantize_per_channel,
                                        quantize_checkpoint)
 
 QUANT_SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=256)
@@ -136,25 +133,13 @@ def test_dummy_weights_of_every_scheme_generate(checkpoints):
 
 
 # ---- what cannot be loaded ------------------------------------------------------------------------
-def edit_checkpoint(src, dst, edit_tensors=None, edit_config=None) -> str:
-    import shutil
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    tensors = load_file(file)
-    if edit_tensors:
-        edit_tensors(tensors)
-        save_file(tensors, file)
-    if edit_config:
-        with open(os.path.join(dst, "config.json")) as f:
-            config = json.load(f)
-        edit_config(config["quantization_config"])
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(config, f)
-    return dst
+def edit_quantization_config(edit):
+    """edit_model's edit_config for an edit of config.json's quantization_config."""
+    return lambda config: edit(config["quantization_config"])
 
 
 def test_a_missing_scale_tensor_is_named(checkpoints, tmp_path):
-    path = edit_checkpoint(checkpoints["fp8"], str(tmp_path / "m"),
+    path = edit_model(checkpoints["fp8"], tmp_path / "m",
                            lambda t: t.pop("model.layers.1.self_attn.o_proj.weight_scale_inv"))
     with pytest.raises(ValueError, match=r"no weights for .*layers\.1\.self_attn\.o_proj\.weight_scale_inv"):
         LLM(path, max_model_len=MAX_LEN)
@@ -163,7 +148,7 @@ def test_a_missing_scale_tensor_is_named(checkpoints, tmp_path):
 def test_a_tensor_of_the_wrong_shape_is_named(checkpoints, tmp_path):
     def shrink(t):
         t["model.layers.0.mlp.up_proj.qzeros"] = t["model.layers.0.mlp.up_proj.qzeros"][:, :-1].contiguous()
-    path = edit_checkpoint(checkpoints["awq"], str(tmp_path / "w"), shrink)
+    path = edit_model(checkpoints["awq"], tmp_path / "w", shrink)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.qzeros.* has shape \(1, 31\).*\(1, 32\)"):
         LLM(path, max_model_len=MAX_LEN)
 
@@ -175,7 +160,7 @@ def test_a_tensor_of_the_wrong_shape_is_named(checkpoints, tmp_path):
     (lambda c: c.update(zero_point=False), r"zero_point=False .*supported"),
 ], ids=["unknown-method", "awq-bits", "awq-group", "awq-symmetric"])
 def test_an_unsupported_quantization_config_is_named(checkpoints, tmp_path, edit, message):
-    path = edit_checkpoint(checkpoints["awq"], str(tmp_path / "c"), edit_config=edit)
+    path = edit_model(checkpoints["awq"], tmp_path / "c", edit_config=edit_quantization_config(edit))
     with pytest.raises(ValueError, match=message):
         LLM(path, max_model_len=MAX_LEN)
 
@@ -185,7 +170,7 @@ def test_an_unsupported_quantization_config_is_named(checkpoints, tmp_path, edit
     (lambda c: c.update(activation_scheme="static"), r"activation_scheme 'static'"),
 ], ids=["per-tensor-fp8", "static-activations"])
 def test_an_unsupported_fp8_checkpoint_is_named(checkpoints, tmp_path, edit, message):
-    path = edit_checkpoint(checkpoints["fp8"], str(tmp_path / "c"), edit_config=edit)
+    path = edit_model(checkpoints["fp8"], tmp_path / "c", edit_config=edit_quantization_config(edit))
     with pytest.raises(ValueError, match=message):
         LLM(path, max_model_len=MAX_LEN)
 

@@ -10,6 +10,10 @@ import re
 import shutil
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from nanovllm.layers.quantization import awq, fp8
 
 EOS_TOKEN = "<|endoftext|>"
 CORPUS = [
@@ -113,25 +117,42 @@ FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt"
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
 
 
-def _rewrite(src: str, dst: str, convert, quantization_config: dict | None):
+def edit_model(src, dst, edit_tensors=None, edit_config=None) -> str:
+    """Copy model folder src to dst, each weights file's tensors through edit_tensors(dict) (which
+    changes the dict in place) and config.json's contents through edit_config(dict); returns dst.
+    Tests make broken or converted checkpoints with it."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    if edit_tensors is not None:
+        for file in sorted(glob.glob(os.path.join(dst, "*.safetensors"))):
+            tensors = load_file(file)
+            edit_tensors(tensors)
+            save_file(tensors, file, metadata={"format": "pt"})
+    if edit_config is not None:
+        path = os.path.join(dst, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        edit_config(config)
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+    return str(dst)
+
+
+def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> str:
     """Copy model folder src to dst, each tensor through convert(name, tensor) -> {name: tensor},
     config.json's quantization_config set (None: removed)."""
-    from safetensors.torch import load_file, save_file
+    def convert_all(tensors: dict):
+        converted = {}
+        for name, tensor in tensors.items():
+            converted.update(convert(name, tensor))
+        tensors.clear()
+        tensors.update(converted)
 
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    for file in glob.glob(os.path.join(dst, "*.safetensors")):
-        out = {}
-        for name, tensor in load_file(file).items():
-            out.update(convert(name, tensor))
-        save_file(out, file)
-    with open(os.path.join(dst, "config.json")) as f:
-        config = json.load(f)
-    config.pop("quantization_config", None)
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return dst
+    def set_quantization(config: dict):
+        config.pop("quantization_config", None)
+        if quantization_config is not None:
+            config["quantization_config"] = quantization_config
+
+    return edit_model(src, dst, convert_all, set_quantization)
 
 
 def quantize_checkpoint(src: str, dst: str, method: str, modules_to_not_convert: list[str] = ()) -> str:
@@ -139,8 +160,6 @@ def quantize_checkpoint(src: str, dst: str, method: str, modules_to_not_convert:
     method "fp8" (Qwen3-*-FP8: `weight` fp8 e4m3 + float32 `weight_scale_inv` per 128 x 128 block)
     or "awq" (Qwen3-*-AWQ: `qweight` / `qzeros` int32 in AWQ's nibble order, fp16 `scales`).
     Layers whose name contains an entry of modules_to_not_convert are kept."""
-    from nanovllm.layers.quantization import awq, fp8
-
     def convert(name, tensor):
         if not LINEAR_WEIGHT.search(name) or any(m in name for m in modules_to_not_convert):
             return {name: tensor}
@@ -160,9 +179,6 @@ def quantize_checkpoint(src: str, dst: str, method: str, modules_to_not_convert:
 def dequantize_checkpoint(src: str, dst: str) -> str:
     """The float32 checkpoint of the weights a quantized checkpoint (from quantize_checkpoint)
     stands for: what it computes, in plain weights."""
-    from nanovllm.layers.quantization import awq, fp8
-    from safetensors import safe_open
-
     tensors = {}
     for file in glob.glob(os.path.join(src, "*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -186,8 +202,6 @@ def dequantize_checkpoint(src: str, dst: str) -> str:
 def fake_quantize_per_channel(src: str, dst: str) -> str:
     """The float32 checkpoint of what quantization="fp8" makes of src's linear layers (each row
     quantized to fp8 with its own scale, and back)."""
-    from nanovllm.layers.quantization import fp8
-
     def convert(name, tensor):
         if not LINEAR_WEIGHT.search(name):
             return {name: tensor}
