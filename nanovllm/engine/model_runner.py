@@ -343,10 +343,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         config = self.config
-        num_blocks = self._num_kv_blocks()
-        if self.group is not None:  # every rank must hold the same blocks: take the smallest count
-            count = self.group.all_reduce(torch.tensor([num_blocks], device=self.device), dist.ReduceOp.MIN)
-            num_blocks = int(count.item())
+        num_blocks = self._smallest_over_ranks(self._num_kv_blocks())  # every rank holds the same blocks
         if num_blocks < config.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
@@ -354,6 +351,12 @@ class ModelRunner:
                 f"tokens needs; raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
         self._bind_kv_cache(num_blocks)
         return num_blocks
+
+    def _smallest_over_ranks(self, count: int) -> int:
+        """The smallest of every rank's count (tensor parallelism); count itself on one rank."""
+        if self.group is None:
+            return count
+        return int(self.group.all_reduce(torch.tensor([count], device=self.device), dist.ReduceOp.MIN).item())
 
     def _bind_kv_cache(self, num_blocks: int | None):
         """Allocate a KV cache of num_blocks usable blocks and hand each attention layer its slices
@@ -414,10 +417,9 @@ class ModelRunner:
         if not config.kv_offloading_size:
             return 0
         block_bytes = self.kv_block_bytes()  # (this rank's shard; no draft model: Config refuses it)
-        num_blocks = int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size) // block_bytes
-        if self.group is not None:  # (equal shapes give equal counts; the smallest, to be sure)
-            count = self.group.all_reduce(torch.tensor([num_blocks], device=self.device), dist.ReduceOp.MIN)
-            num_blocks = int(count.item())
+        # (equal shapes give equal counts on every rank; the smallest, to be sure)
+        num_blocks = self._smallest_over_ranks(int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size)
+                                               // block_bytes)
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block: one takes "
                              f"{block_bytes * config.tensor_parallel_size} bytes over all ranks; raise it, or 0: off")

@@ -134,10 +134,11 @@ def load_dummy(model: nn.Module, seed: int = 0):
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         generator = generators[param.device]
+        scale = next((value for ending, value in DUMMY_SCALES.items() if name.endswith(ending)), None)
         if "norm" in name:
             param.fill_(1.0)
-        elif name.endswith(tuple(DUMMY_SCALES)):
-            param.fill_(next(v for k, v in DUMMY_SCALES.items() if name.endswith(k)))
+        elif scale is not None:
+            param.fill_(scale)
         elif param.dtype == torch.int32:  # packed int4 words
             param.random_(generator=generator)
         elif param.dtype.itemsize == 1:   # fp8 codes (uniform_ takes no fp8 tensor)
