@@ -1,11 +1,15 @@
 """GPU tier (`-m gpu`; skipped without CUDA): bf16 against Hugging Face, CUDA graphs against eager
 decode, and every installed backend against the torch reference, on the device."""
 import importlib.util
+import math
 
 import pytest
 import torch
 
+import test_host_tier
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.tiny_model import (build_model, dequantize_checkpoint, fake_quantize_per_channel,
+                                       quantize_checkpoint)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -196,7 +200,6 @@ def test_kv_sizing_uses_gpu_memory_utilization(tmp_path):
     """KV blocks come from what gpu_memory_utilization leaves after the warm-up's peak. Blocks of
     8 MiB (8 layers x 8 KV heads x 128 dims x 256 tokens, K and V, bf16) keep the count below the
     max_num_seqs x max_model_len cap, so the budget decides."""
-    from nanovllm.utils.tiny_model import build_model
     path = build_model(str(tmp_path / "wide_kv"), num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                        head_dim=128, max_position_embeddings=32768)
     counts = []
@@ -216,7 +219,6 @@ def test_kv_sizing_uses_gpu_memory_utilization(tmp_path):
 def test_graphs_fit_at_high_memory_utilization(tmp_path):
     """CUDA graphs are captured after the KV cache takes its share: the budget must already hold
     what capture needs (measured by a probe capture), or capture runs out of memory near 1."""
-    from nanovllm.utils.tiny_model import build_model
     path = build_model(str(tmp_path / "wide_kv_graphs"), num_hidden_layers=8, num_attention_heads=8,
                        num_key_value_heads=8, head_dim=128, max_position_embeddings=32768)
     torch.cuda.empty_cache()
@@ -245,7 +247,6 @@ def test_bench_reports_gpu_idle_between_decode_steps():
 def test_moe_on_the_gpu(tmp_path, prompts):
     """A tiny Qwen3-MoE on CUDA: the fused Triton experts in bf16 close to Hugging Face, and CUDA
     graph replay (which captures the kernel and its device-side alignment) equal to eager decode."""
-    from nanovllm.utils.tiny_model import build_model
     path = build_model(str(tmp_path / "moe"), arch="qwen3_moe", mlp_only_layers=[0])
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
@@ -271,10 +272,6 @@ QUANTIZED_GPU_KL = {"fp8-online": 0.05, "fp8": 0.05, "awq": 0.01}
 
 @pytest.mark.parametrize("scheme", ["fp8-online", "fp8", "awq"])
 def test_quantized_gemms_on_the_gpu(tmp_path, prompts, scheme):
-    import math
-
-    from nanovllm.utils.tiny_model import (build_model, dequantize_checkpoint, fake_quantize_per_channel,
-                                           quantize_checkpoint)
     base = build_model(str(tmp_path / "base"), hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=128, intermediate_size=256)
     if scheme == "fp8-online":
@@ -304,10 +301,9 @@ def test_host_tier_reloads_on_the_copy_stream(model_dir):
     """The host tier on CUDA (pinned host pool, copy stream and events): a prefix reloaded from
     host memory gives the tokens and logprobs, bit for bit, of the same prefix served by the
     device tier (the same K/V), with CUDA graphs for decode."""
-    import test_host_tier as host
     common = dict(dtype="bfloat16", gpu_memory_utilization=0.3)
-    reloaded, stats = host.run_turns(model_dir, kv_offloading_size=host.HOST_GIB, **host.SMALL_DEVICE, **common)
-    cached, _ = host.run_turns(model_dir, **host.LARGE_DEVICE, **common)
-    assert stats["host_cache_hits"] == host.ALL_HITS and stats["kv_copy_time_s"] >= 0
+    reloaded, stats = test_host_tier.run_turns(model_dir, kv_offloading_size=test_host_tier.HOST_GIB, **test_host_tier.SMALL_DEVICE, **common)
+    cached, _ = test_host_tier.run_turns(model_dir, **test_host_tier.LARGE_DEVICE, **common)
+    assert stats["host_cache_hits"] == test_host_tier.ALL_HITS and stats["kv_copy_time_s"] >= 0
     assert [o["token_ids"] for o in reloaded] == [o["token_ids"] for o in cached]
     assert [o["logprobs"] for o in reloaded] == [o["logprobs"] for o in cached]

@@ -5,7 +5,9 @@ swap preemption gives the recompute mode's outputs; the stats count both tiers a
 
 A device cache of a few blocks and filler requests between the turns push a prompt's blocks out
 of the device; a large device cache keeps them there (the reference for "served from cache")."""
+import os
 import random
+import sys
 
 import pytest
 
@@ -97,8 +99,6 @@ def test_the_host_tier_needs_prefix_caching_to_serve_anything(model_dir):
 
 
 def test_bench_multiturn_computes_fewer_prefill_tokens_with_the_host_tier(capsys):
-    import os
-    import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench_multiturn
     result = bench_multiturn.main(["--conversations", "4", "--turns", "4", "--system-len", "64",
