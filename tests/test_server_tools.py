@@ -139,3 +139,28 @@ def test_the_hermes_parser():
     assert parser.parse("") == (None, [])
     assert parser.held_back("Sure <tool") == 5 and parser.held_back("Sure") == 4
     assert parser.held_back("a <tool_call>{") == 2 and parser.held_back("<") == 0
+
+
+BAD_CALL = '<tool_call>\n{"name": "get_weather", "arguments": "{bad json"}\n</tool_call>'
+
+
+def test_a_call_whose_arguments_do_not_parse_stays_in_the_content(server, client):
+    """Whatever the model writes is never a 500 nor a cut stream: a call that does not parse (its
+    arguments JSON text that is not JSON) is content, whole and streamed. The text is forced with
+    a choice constraint."""
+    body = dict(model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=300,
+                extra_body={"structured_outputs": {"choice": [BAD_CALL]}})
+    choice = client.chat.completions.create(**body).choices[0]
+    assert choice.message.content == BAD_CALL and choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    content, reasons = "", []
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            assert not c.delta.tool_calls
+            reasons += [c.finish_reason] if c.finish_reason else []
+    assert content == BAD_CALL and reasons == ["stop"]
+    raw = http(server, "POST", "/v1/chat/completions", json={
+        "messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "stream": True,
+        "structured_outputs": {"choice": [BAD_CALL]}})
+    assert raw.status_code == 200 and raw.text.endswith("data: [DONE]\n\n")

@@ -90,7 +90,17 @@ async def http_error(_, e: StarletteHTTPException):
     return APIError(e.status_code, str(e.detail), "invalid_request_error").response()
 
 
-ERROR_HANDLERS = {APIError: api_error, BadRequest: bad_request, StarletteHTTPException: http_error}
+def internal_error() -> APIError:
+    return APIError(500, "the server failed to answer this request (a bug: its log has the traceback)", "server_error")
+
+
+async def unexpected_error(_, e: Exception):
+    """A bug of ours still answers in OpenAI's shape (Starlette logs the traceback)."""
+    return internal_error().response()
+
+
+ERROR_HANDLERS = {APIError: api_error, BadRequest: bad_request, StarletteHTTPException: http_error,
+                  Exception: unexpected_error}
 ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "A bad request: the error's `param` names the field"), (401, "A missing or wrong API key"),
     (404, "An unknown model"), (413, "A body over --max-request-bytes"), (415, "A body that is not JSON"),
@@ -402,6 +412,9 @@ async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
         except (EngineDead, APIError) as e:
             error = e if isinstance(e, APIError) else unavailable(e)
             yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
+        except Exception:  # a bug of ours: this stream still ends as every other one does
+            logger.exception("a stream failed")
+            yield f"data: {json.dumps(internal_error().body())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         on_close()

@@ -49,15 +49,15 @@ class HermesToolParser:
 
     @staticmethod
     def _call(body: str) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            return None
+        """The call a block holds, or None when it holds none: whatever the model wrote, never an
+        exception (a block that does not parse stays in the text, as vLLM's hermes parser has it).
+        `arguments` may also be the object's JSON text, as OpenAI's API carries it."""
+        value = _json_or_none(body)
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         arguments = value.get("arguments", {})
         if isinstance(arguments, str):
-            arguments = json.loads(arguments) if arguments.strip().startswith("{") else arguments
+            arguments = _json_or_none(arguments)
         if not isinstance(arguments, dict):
             return None
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
@@ -83,6 +83,13 @@ class HermesToolParser:
         calls = 'call ("\\n" call)*' if parallel else "call"
         return (f"root ::= {calls}\n"
                 f'call ::= "{self.start}\\n" call_json "\\n{self.end}"\n' + json_grammar(schema, root="call_json"))
+
+
+def _json_or_none(text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # (JSONDecodeError is a ValueError; RecursionError: nested too deeply)
+        return None
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}
