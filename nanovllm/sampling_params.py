@@ -16,6 +16,9 @@ class StructuredOutputsParams:
     json_object: the completion is any JSON object.
     reasoning: (start, end) tags of a reasoning block the completion may open with, written freely;
         the constraint holds after it (a reasoning model's answer).
+    reasoning_started: the prompt has opened the reasoning block already (a chat template whose
+        generation prompt ends with the start tag): the completion begins inside it, and must
+        close it before the constrained answer.
     Decoding is constrained token by token (engine/structured_outputs.py), so the text is valid
     by construction unless max_tokens cuts it short (finish_reason "length")."""
     json: dict | str | None = None
@@ -24,6 +27,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     reasoning: tuple[str, str] | None = None
+    reasoning_started: bool = False
 
     def __post_init__(self):
         given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
@@ -57,6 +61,9 @@ class StructuredOutputsParams:
                     or not all(isinstance(tag, str) and tag for tag in self.reasoning)):
                 raise TypeError(f"StructuredOutputsParams.reasoning must be (start tag, end tag), got {self.reasoning!r}")
             object.__setattr__(self, "reasoning", tuple(self.reasoning))
+        if not isinstance(self.reasoning_started, bool) or (self.reasoning_started and self.reasoning is None):
+            raise TypeError(f"StructuredOutputsParams.reasoning_started must be a bool, and True only with reasoning, "
+                            f"got {self.reasoning_started!r}")
 
     @property
     def kind(self) -> str:

@@ -15,8 +15,8 @@ from nanovllm.entrypoints.api_server import ChatChoices  # noqa: E402
 from nanovllm.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
 from nanovllm.entrypoints.reasoning_parsers import Qwen3ReasoningParser, ReasoningStream  # noqa: E402
 from nanovllm.entrypoints.tool_parsers import HermesToolParser  # noqa: E402
-from nanovllm.utils.tiny_model import build_model, build_tokenizer  # noqa: E402
-from serving import KEY, error_of, http, module_server  # noqa: E402
+from nanovllm.utils.tiny_model import CHATML_TEMPLATE, build_model, build_tokenizer  # noqa: E402
+from serving import KEY, error_of, http, module_server, openai_client  # noqa: E402
 
 TEXTS = ["<think>\nThe user wants a number.\n\n</think>\n\n42.", "<think>never closed", "plain answer",
          "<thi", "<think></think>x", "<think>a</thinkless</think>b", "\n<think>not at the start</think>"]
@@ -32,14 +32,26 @@ def test_split():
     assert p.split(TEXTS[6]) == (None, TEXTS[6])
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_streamed_deltas_add_up_to_the_split_however_cut(text):
+def test_split_of_a_block_the_prompt_opened():
+    """A template that ends its generation prompt with <think> (Qwen3-Thinking-2507, DeepSeek-R1-0528)
+    leaves the completion inside the block: what comes before </think> is reasoning."""
+    p = Qwen3ReasoningParser()
+    assert p.split("because</think>\n\nanswer", started=True) == ("because", "answer")
+    assert p.split("\nstill thinking", started=True) == ("still thinking", None)
+    assert p.split("</think>answer", started=True) == (None, "answer")
+    assert p.opened_by("<|im_start|>assistant\n<think>\n") and p.opened_by("<think>")
+    assert not p.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not p.opened_by("assistant\n")
+
+
+@pytest.mark.parametrize("started", [False, True])
+@pytest.mark.parametrize("text", TEXTS + ["because</think>\n\nanswer"])
+def test_streamed_deltas_add_up_to_the_split_however_cut(text, started):
     rng, parser = random.Random(0), Qwen3ReasoningParser()
-    expected = tuple(part or "" for part in parser.split(text))
+    expected = tuple(part or "" for part in parser.split(text, started))
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), min(rng.randint(0, 6), len(text) - 1)))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        stream, got = ReasoningStream(parser), ["", ""]
+        stream, got = ReasoningStream(parser, started), ["", ""]
         for i, piece in enumerate(pieces):
             reasoning, content = stream.push(piece, i == len(pieces) - 1)
             got[0] += reasoning
@@ -114,3 +126,78 @@ def test_a_constraint_holds_after_the_reasoning_block():
     assert accepts('{"a": 2}') and accepts('<think></think>{"a": 3}')
     assert not accepts('<think>x</think>free text') and not accepts('<think>x</think>{"a": 1}</think>')
     assert not accepts("<think>never closed") and not accepts('{"b": 1}')
+
+
+def test_a_constraint_after_a_block_the_prompt_opened():
+    """reasoning_started: the completion begins inside the block, and must close it before the answer."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from nanovllm import StructuredOutputsParams
+    from nanovllm.engine.structured_outputs import Grammars
+    tokenizer = AutoTokenizer.from_pretrained(build_model(tempfile.mkdtemp()))
+    grammars = Grammars(tokenizer, 512, {tokenizer.eos_token_id})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compiled = grammars.compile(StructuredOutputsParams(json=schema, reasoning=("<think>", "</think>"),
+                                                        reasoning_started=True))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+    assert accepts('because</think>\n\n{"a": 1}') and accepts('</think>{"a": 2}')
+    assert not accepts('{"a": 1}') and not accepts('x</think>{"a": 1}</think>')
+    with pytest.raises(TypeError, match="reasoning_started"):
+        StructuredOutputsParams(json=schema, reasoning_started=True)
+
+
+# A ChatML template that opens the reasoning block in its generation prompt, as Qwen3-*-Thinking-2507's
+# does, unless the request's chat_template_kwargs turn thinking off (Qwen3's enable_thinking).
+THINKING_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from transformers import AutoTokenizer
+    model = build_model(str(tmp_path_factory.mktemp("thinking")), chat_template=True)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(model)
+    yield from module_server(model, tmp_path_factory, "--api-key", KEY, "--reasoning-parser", "qwen3",
+                             "--served-model-name", "thinking", max_model_len=512)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_a_block_the_template_opened_is_reasoning_whole_and_streamed(thinking_server):
+    client = openai_client(thinking_server)
+    body = dict(model="thinking", messages=HI, max_tokens=12, temperature=0)
+    message = client.chat.completions.create(**body).choices[0].message
+    prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"  # (as the template renders HI)
+    text = client.completions.create(model="thinking", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    assert message.reasoning_content == text.strip("\n") and message.content is None  # (never closed)
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **body):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert reasoning == message.reasoning_content and content == ""
+
+
+def test_chat_template_kwargs_reach_the_template(thinking_server):
+    """enable_thinking false: the template closes the block itself, and the completion is content."""
+    client = openai_client(thinking_server)
+    body = dict(model="thinking", messages=HI, max_tokens=12, temperature=0)
+    off = client.chat.completions.create(**body, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    on = client.chat.completions.create(**body)
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens  # ("\n</think>\n\n" more)
+    assert off.choices[0].message.content and getattr(off.choices[0].message, "reasoning_content", None) is None
+    for kwargs, key in (({"tokenize": True}, "tokenize"), ({"enable_thinkng": False}, "enable_thinkng"),
+                        ({"messages": []}, "messages"), ({"eos_token": "x"}, "eos_token")):
+        error = error_of(http(thinking_server, "POST", "/v1/chat/completions",
+                              json={**body, "chat_template_kwargs": kwargs}), 400)
+        assert error["param"] == "chat_template_kwargs" and repr(key) in error["message"] \
+            and "enable_thinking" in error["message"], error

@@ -188,6 +188,16 @@ def test_a_model_by_id(server):
     assert error["code"] == "model_not_found"
 
 
+def test_the_user_field_is_taken_and_changes_nothing(client):
+    """OpenAI's `user` (an end-user id for a provider's abuse monitoring; litellm sends it)."""
+    body = dict(model=NAME, max_tokens=6, **GREEDY)
+    plain = client.completions.create(prompt="The quick", **body).choices[0].text
+    assert client.completions.create(prompt="The quick", user="alice", **body).choices[0].text == plain
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(messages=messages, **body).choices[0].message.content
+    assert client.chat.completions.create(messages=messages, user="alice", **body).choices[0].message.content == chat
+
+
 def test_completions_default_to_16_tokens_and_chat_to_the_context(client):
     body = dict(model=NAME, extra_body={"ignore_eos": True}, **GREEDY)
     assert client.completions.create(prompt="hi", **body).usage.completion_tokens == 16

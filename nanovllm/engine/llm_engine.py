@@ -1,3 +1,5 @@
+import functools
+import inspect
 import json
 import logging
 import operator
@@ -6,6 +8,8 @@ import random
 import threading
 from dataclasses import dataclass
 
+import jinja2
+import jinja2.meta
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -25,6 +29,13 @@ logger = logging.getLogger(__name__)
 FINISHED, STATUS_OF = SequenceStatus.FINISHED, operator.attrgetter("status")
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@functools.lru_cache(maxsize=4)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a Jinja chat template reads (those it does not set itself)."""
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # (transformers' parser has it)
+    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
 
 
 def load_tokenizer(path: str):
@@ -142,18 +153,36 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         return ids
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Chat messages ({"role", "content"} dicts) as prompt token ids, through the tokenizer's
         chat template, with the assistant's turn opened; tools (OpenAI's definitions) go to the
-        template too, which lists them for the model."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the model {self.config.model!r} has no chat template (its tokenizer_config.json "
-                             "names none): chat needs one; use completions instead")
+        template too, which lists them for the model; template_kwargs are more of its variables
+        (vLLM's chat_template_kwargs, such as Qwen3's enable_thinking; check_chat_template_kwargs)."""
+        self.check_chat_template_kwargs(template_kwargs or {})
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                      **(template_kwargs or {}))
         except Exception as e:  # jinja2's TemplateError, or a template that raises on these messages
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
         return self._encode_text(text, add_special_tokens=False)  # (the template has any BOS already)
+
+    def check_chat_template_kwargs(self, template_kwargs: dict):
+        """A ValueError unless the model has a chat template and each key is a variable it reads
+        that nothing else sets (render_chat's own arguments, apply_chat_template's, the special
+        tokens: a key such as `tokenize` would change what rendering returns)."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        if not template or not isinstance(template, str):
+            raise ValueError(f"the model {self.config.model!r} has no chat template (its tokenizer_config.json "
+                             "names none): chat needs one; use completions instead")
+        if not template_kwargs:
+            return
+        settable = template_variables(template) - set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
+        settable -= {"messages", *self.tokenizer.special_tokens_map}
+        for key in template_kwargs:
+            if key not in settable:
+                raise ValueError(f"chat_template_kwargs has {key!r}, which is not a variable of this model's chat "
+                                 f"template that a request may set; those are: {sorted(settable) or 'none'}")
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         """text's token ids. A text far longer than max_model_len is first counted by the fast

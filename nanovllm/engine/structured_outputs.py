@@ -107,7 +107,8 @@ class Grammars:
             else:
                 grammar = Grammar.from_ebnf(params.grammar)
             if params.reasoning is not None:  # a free reasoning block first, then the constraint
-                grammar = Grammar.concat(Grammar.from_ebnf(reasoning_grammar(*params.reasoning)), grammar)
+                block = reasoning_grammar(*params.reasoning, started=params.reasoning_started)
+                grammar = Grammar.concat(Grammar.from_ebnf(block), grammar)
             return self.compiler.compile_grammar(grammar)
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
@@ -134,9 +135,10 @@ def json_grammar(schema: str | dict, root: str = "root") -> str:
     return grammar if root == "root" else re.sub(r"\broot\b", root, grammar)
 
 
-def reasoning_grammar(start: str, end: str) -> str:
+def reasoning_grammar(start: str, end: str, started: bool = False) -> str:
     """EBNF of an optional reasoning block: start, any text that does not hold end, end, then
-    spaces or newlines. "Text without end" is the automaton of the search for end (KMP): state
+    spaces or newlines; once started (the prompt holds the start tag), the rest of the block,
+    not optional. "Text without end" is the automaton of the search for end (KMP): state
     s_k has matched end's first k characters; a character of end moves to the longest prefix of
     end that the text so far ends with, any other back to s_0, and none may complete end."""
     def literal(c):
@@ -148,7 +150,8 @@ def reasoning_grammar(start: str, end: str) -> str:
     def next_state(k: int, c: str) -> int:
         text = end[:k] + c
         return next(n for n in range(min(len(text), len(end)), -1, -1) if text.endswith(end[:n]))
-    rules = [f"root ::= ({literal(start)} s0 {literal(end)} [ \\n]*)?"]
+    block = f"s0 {literal(end)} [ \\n]*"
+    rules = [f"root ::= {block}" if started else f"root ::= ({literal(start)} {block})?"]
     for k in range(len(end)):
         alternatives = ['""', f"[^{char_class(set(end))}] s0"]
         for c in sorted(set(end)):

@@ -267,9 +267,14 @@ async def chat_completions(http: Request):
     body = parse_body(await http.body(), http.headers.get("content-type"), ChatCompletionRequest)
     state = http.app.state
     body._tool_parser = state.tool_parser
-    body._reasoning_tags = (state.reasoning_parser.start, state.reasoning_parser.end) if state.reasoning_parser else None
+    body._reasoning_parser = state.reasoning_parser
     messages = [m.as_template_input() for m in body.messages]
-    return await respond(http, body, [ChatPrompt(messages, body.tool_definitions())], body.num_logprobs(),
+    try:  # (here, to name the field: rendering checks them too)
+        state.engine.llm.check_chat_template_kwargs(body.chat_template_kwargs or {})
+    except ValueError as e:
+        raise BadRequest(str(e), "chat_template_kwargs") from e
+    prompt = ChatPrompt(messages, body.tool_definitions(), body.chat_template_kwargs)
+    return await respond(http, body, [prompt], body.num_logprobs(),
                          functools.partial(ChatChoices, reasoning_parser=state.reasoning_parser))
 
 
@@ -310,6 +315,7 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
         raise BadRequest(str(e), body.prompt_field) from e
     except (ShuttingDown, EngineDead) as e:
         raise unavailable(e) from e
+    params = body.for_prompts(params, prompt_ids, engine.llm.tokenizer)
     if params.structured_outputs is not None:  # compiled here, off the engine's thread (then a cache hit there)
         try:
             await asyncio.get_running_loop().run_in_executor(None, engine.llm.compile_grammar, params)
@@ -547,7 +553,7 @@ class Choices:
             text, extra, finish_reason = self.stream_piece(c, update["text"] or "", update["finished"],
                                                            update.get("finish_reason"))
             num_tokens[c] = num_tokens.get(c, 0) + len(update["token_ids"])
-            if not text and not update["finished"] and "logprobs" not in update:
+            if not text and not any(extra.values()) and not update["finished"] and "logprobs" not in update:
                 continue  # (its tokens' text is held back: an unfinished character or stop string)
             logprobs = self.logprobs(update["token_ids"], update.get("logprobs"), lengths.get(c, 0))
             lengths[c] = lengths.get(c, 0) + len(text)
@@ -646,7 +652,8 @@ class ChatChoices(Choices):
         tool_calls, and a completion that ended there finishes with "tool_calls"."""
         message = {"role": "assistant", "content": text}
         if self.reasoning_parser is not None:
-            message["reasoning_content"], message["content"] = self.reasoning_parser.split(text)
+            message["reasoning_content"], message["content"] = self.reasoning_parser.split(
+                text, self.body._reasoning_started)
         if self.body.calls_tools():
             content, calls = self.body._tool_parser.parse(message["content"] or "")
             if calls:
@@ -661,7 +668,7 @@ class ChatChoices(Choices):
         parser's held_back); the rest waits for the end, then comes as content and `tool_calls`."""
         extra = {}
         if self.reasoning_parser is not None:
-            split = self._reasoning.setdefault(c, ReasoningStream(self.reasoning_parser))
+            split = self._reasoning.setdefault(c, ReasoningStream(self.reasoning_parser, self.body._reasoning_started))
             extra["reasoning_content"], text = split.push(text, finished)
         if not self.body.calls_tools():
             return text, extra, finish_reason

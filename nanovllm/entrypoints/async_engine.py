@@ -61,9 +61,11 @@ class EngineDead(Exception):
 
 @dataclasses.dataclass
 class ChatPrompt:
-    """Chat messages and the tools offered with them, to render with the chat template."""
+    """Chat messages and the tools offered with them, to render with the chat template (and more
+    of its variables: template_kwargs)."""
     messages: list[dict]
     tools: list[dict] | None = None
+    template_kwargs: dict | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -174,7 +176,7 @@ class AsyncEngine:
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
-            prompt = self.llm.render_chat(prompt.messages, prompt.tools)
+            prompt = self.llm.render_chat(prompt.messages, prompt.tools, prompt.template_kwargs)
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
             prompt = self.llm.render_chat(prompt)
         return self.llm.encode_prompt(prompt)

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from nanovllm.entrypoints.reasoning_parsers import PROMPT_TAIL_TOKENS
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs (and vLLM's default max_logprobs)
@@ -77,6 +78,7 @@ class SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id (for a provider's abuse monitoring): taken, changes nothing
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -92,7 +94,8 @@ class SamplingRequest(BaseModel):
 
     # the names of this endpoint's fields, for errors (chat overrides them)
     prompt_field: ClassVar[str] = "prompt"
-    _reasoning_tags = PrivateAttr(default=None)  # (start, end) of the server's --reasoning-parser, for chat
+    _reasoning_parser = PrivateAttr(default=None)  # the server's --reasoning-parser, for chat
+    _reasoning_started = PrivateAttr(default=False)  # the rendered prompt opened a reasoning block (chat)
 
     @property
     def max_tokens_field(self) -> str:
@@ -120,8 +123,9 @@ class SamplingRequest(BaseModel):
                                                           "frequency_penalty", "repetition_penalty")
                  if getattr(self, name) is not None}
         constraint = self.structured_constraint()
-        if constraint is not None and self._reasoning_tags is not None:  # (--reasoning-parser: after the reasoning)
-            constraint = dataclasses.replace(constraint, reasoning=self._reasoning_tags)
+        if constraint is not None and self._reasoning_parser is not None:  # (--reasoning-parser: after the reasoning)
+            constraint = dataclasses.replace(constraint, reasoning=(self._reasoning_parser.start,
+                                                                    self._reasoning_parser.end))
         logit_bias = None
         if self.logit_bias is not None:
             try:
@@ -139,6 +143,10 @@ class SamplingRequest(BaseModel):
                 prompt_logprobs=self.prompt_logprobs())
         except (ValueError, TypeError) as e:
             raise self.bad_request(e) from e
+
+    def for_prompts(self, params: SamplingParams, prompt_token_ids: list[list[int]], tokenizer) -> SamplingParams:
+        """params for the prompts as tokenized (chat: its one prompt, as its template rendered it)."""
+        return params
 
     @property
     def structured_field(self) -> str:
@@ -272,6 +280,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables of the chat template (enable_thinking)
     _tool_parser = PrivateAttr(default=None)  # the server's (--tool-call-parser), set by the endpoint
 
     def tool_definitions(self) -> list[dict] | None:
@@ -307,6 +316,21 @@ class ChatCompletionRequest(SamplingRequest):
         return super().structured_constraint()
 
     prompt_field: ClassVar[str] = "messages"
+
+    def for_prompts(self, params: SamplingParams, prompt_token_ids: list[list[int]], tokenizer) -> SamplingParams:
+        """With --reasoning-parser: whether the template opened a reasoning block at the end of the
+        prompt, so that the completion begins inside it (noted for the parser; a constraint then
+        holds after the block's end)."""
+        parser = self._reasoning_parser
+        if parser is None or tokenizer is None:
+            return params
+        (prompt,) = prompt_token_ids
+        self._reasoning_started = parser.opened_by(tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:]))
+        constraint = params.structured_outputs
+        if self._reasoning_started and constraint is not None:
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(constraint,
+                                                                                        reasoning_started=True))
+        return params
 
     @property
     def max_tokens_field(self) -> str:

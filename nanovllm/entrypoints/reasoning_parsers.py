@@ -7,15 +7,29 @@ at the start of the completion:
     The user asks ... </think>
 
     The answer.
+
+A chat template may open the block itself (Qwen3-*-Thinking-2507 and DeepSeek-R1-0528 end their
+generation prompt with `<think>\n`): the completion then begins inside it (`started`), and
+everything up to `</think>` is reasoning.
 """
+
+
+PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens read for an opened block (the tag and newlines, whatever the tokenizer)
 
 
 class Qwen3ReasoningParser:
     start, end = "<think>", "</think>"
 
-    def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a finished completion: one that opens with <think> has its
-        reasoning up to </think> (all of it, if it never closes the block); any other is content."""
+    def opened_by(self, prompt_tail: str) -> bool:
+        """Whether a prompt ending with this text leaves the completion inside a reasoning block."""
+        return prompt_tail.rstrip().endswith(self.start)
+
+    def split(self, text: str, started: bool = False) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished completion: one that opens with <think> (or begins
+        inside the block: started) has its reasoning up to </think> (all of it, if it never closes
+        the block); any other is content."""
+        if started:
+            text = self.start + text
         if not text.startswith(self.start):
             return None, text or None
         body = text[len(self.start):]
@@ -30,8 +44,9 @@ class ReasoningStream:
     content) deltas; what may still turn out otherwise (a cut tag, newlines before </think>)
     waits for the next delta. The deltas add up to split() of the whole text."""
 
-    def __init__(self, parser: Qwen3ReasoningParser):
-        self.parser, self.text, self.sent_reasoning, self.sent_content = parser, "", 0, 0
+    def __init__(self, parser: Qwen3ReasoningParser, started: bool = False):
+        # (a block the prompt opened reads as one the completion opened: the text starts with the tag)
+        self.parser, self.text, self.sent_reasoning, self.sent_content = parser, parser.start if started else "", 0, 0
 
     def push(self, delta: str, finished: bool) -> tuple[str, str]:
         self.text += delta
