@@ -54,6 +54,10 @@ def resolve_model(name, what: str = "model") -> str:
 # or revived from the prefix cache); "swap" keeps them in the host tier (kv_offloading_size).
 PREEMPTION_MODES = ("recompute", "swap")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The longest draft: a step verifies k + 1 tokens per sequence, and a draft's n-th token is accepted
+# only if all before it are (vLLM's EAGLE drafts 3 to 10; past 32 a step would verify tokens that
+# almost never count, and the per-position acceptance counters grow with k).
+MAX_SPECULATIVE_TOKENS = 32
 SPECULATIVE_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "draft_model": {"model"}}
 
 
@@ -90,12 +94,13 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens (the draft length k >= 1)")
         config = cls(**value)
+        k = config.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config's num_speculative_tokens must be an int in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if method == "ngram":
             NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)  # (checks)
             return config
-        k = config.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative_config's num_speculative_tokens must be an int >= 1, got {k!r}")
         if not isinstance(config.model, (str, os.PathLike)):
             raise ValueError(f"speculative_config's method 'draft_model' needs \"model\": the draft model's folder, "
                              f"got {config.model!r}")

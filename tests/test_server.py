@@ -58,6 +58,7 @@ def chat_prompt(llm, messages) -> str:
 # ---- outputs ---------------------------------------------------------------------------------
 def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200  # (what load balancers' probes may send)
     assert [m.id for m in client.models.list().data] == [NAME]
 
 
@@ -417,6 +418,23 @@ def test_speculative_server_and_its_metrics(plain_model, tmp_path):
         assert 0 < metrics["nanovllm:spec_decode_num_accepted_tokens_total"] \
             <= metrics["nanovllm:spec_decode_num_draft_tokens_total"]
         assert metrics['nanovllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_host_tier_server_and_its_metrics(plain_model, tmp_path):
+    """--kv-offloading-size: the host tier's blocks and their usage are gauges on /metrics (a host
+    leak shows from outside), beside its copy counters."""
+    server = Server(plain_model, tmp_path / "server.log", "--kv-offloading-size", "0.01", "--num-kvcache-blocks",
+                    "12", "--kvcache-block-size", "16", max_model_len=128)
+    try:
+        assert server.metrics()["nanovllm:host_cache_usage_perc"] == 0
+        for first in range(4):  # (distinct prompts of 6 blocks each: the device's 12 blocks evict to the host)
+            body = {"prompt": [first + 1, *range(10, 105)], "max_tokens": 2, "temperature": 0}
+            assert http(server, "POST", "/v1/completions", key=None, json=body).status_code == 200
+        metrics = server.metrics()
+        assert metrics["nanovllm:host_cache_blocks"] > 0 and 0 < metrics["nanovllm:host_cache_usage_perc"] <= 1
+        assert metrics["nanovllm:kv_offload_bytes_total"] > 0
     finally:
         assert server.stop() == 0, server.log()
 

@@ -92,3 +92,15 @@ def test_echo_with_stream_is_a_400(server):
     response = httpx.post(server.url + "/v1/completions", timeout=30,
                           json={"prompt": "hi", "echo": True, "stream": True})
     assert error_of(response, 400)["param"] == "echo"
+
+
+def test_echo_logprobs_are_capped_per_call(server):
+    """A small request may not ask for a huge response: echo's prompt logprobs come once per choice,
+    so 200 prompt tokens x n 128 x 21 (logprobs 20) is a 400 naming n; the same with n 1 is served."""
+    from nanovllm.entrypoints.protocol import MAX_ECHO_LOGPROBS
+    body = {"prompt": list(range(1, 201)), "echo": True, "logprobs": 20, "max_tokens": 1}
+    assert 200 * 128 * 21 > MAX_ECHO_LOGPROBS >= 200 * 21
+    error = error_of(httpx.post(server.url + "/v1/completions", json={**body, "n": 128}, timeout=60), 400)
+    assert error["param"] == "n" and f"{200 * 128 * 21:,} prompt logprobs" in error["message"], error
+    served = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert served.status_code == 200 and len(served.json()["choices"][0]["logprobs"]["top_logprobs"]) == 201

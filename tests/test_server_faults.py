@@ -123,6 +123,14 @@ def test_the_key_is_checked_before_the_body_is_read(server):
     ("/v1/completions", b'{"prompt": [1, 2, 100000]}', "prompt", "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [100000]}', "stop_token_ids", "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"abc": 1}}', "logit_bias", "keys must be token ids"),
+    *(("/v1/completions", b'{"prompt": "hi", "logit_bias": {"%s": 1}}' % key.encode(), "logit_bias", "plain decimal")
+      for key in ("1_0", " 7 ", "\\u0663", "-1", "007", "9" * 5000)),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", None, "more than 4300 digits"),
+    ("/v1/completions", b'{"prompt": "hi", "structured_outputs": {"regex": "("}}', "structured_outputs",
+     "Regex parsing error at position"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": [' + b", ".join([b'"x"'] * 17) + b"]}", "stop",
+     "stop has 17 strings; at most 16"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": "' + b"x" * 513 + b'"}', "stop", "513 characters; at most 512"),
     ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 101}}', "logit_bias", "[-100, 100]"),
     ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"100000": 1}}', "logit_bias", "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "hi", "allowed_token_ids": []}', "allowed_token_ids", "non-empty"),
@@ -133,6 +141,9 @@ def test_every_mistake_is_a_400_naming_its_field(server, path, raw, param, words
     error = error_of(post(server, path, raw), 400)
     assert words in error["message"] and error["param"] == param, error
     assert "SamplingParams" not in error["message"] and error["type"] == "invalid_request_error"
+    for internal in ("set_int_max_str_digits", ".cc:", "/project/"):  # (Python's advice, xgrammar's C++ sources)
+        assert internal not in error["message"], error
+    assert len(error["message"]) < 500, error
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -171,6 +171,8 @@ def test_repetitive_text_takes_fewer_forwards_than_tokens(model_dir):
 @pytest.mark.parametrize("config, error, words", [
     ({"method": "eagle", "num_speculative_tokens": 2}, ValueError, "method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 1_000_000}, ValueError, r"\[1, 32\], got 1000000"),
+    ({"method": "draft_model", "num_speculative_tokens": 33, "model": "x"}, ValueError, r"\[1, 32\]"),
     ({"method": "ngram"}, ValueError, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, ValueError, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft": 1}, ValueError, "unknown keys"),

@@ -112,7 +112,7 @@ class Grammars:
             return self.compiler.compile_grammar(grammar)
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
-                             f"{str(e).strip().splitlines()[-1]}") from e
+                             f"{xgrammar_message(e)}") from e
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
@@ -124,6 +124,16 @@ class Grammars:
         for i, (_, matcher) in enumerate(matchers):
             matcher.fill_next_token_bitmask(bitmask, i)
         return np.array([row for row, _ in matchers], dtype=np.int64), bitmask
+
+
+def xgrammar_message(error: Exception) -> str:
+    """What an xgrammar error says, without the time and C++ source line it starts with
+    ("[01:11:01] /project/cpp/regex_converter.cc:94: Regex parsing error ...")."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return XGRAMMAR_PREFIX.sub("", lines[-1])
+
+
+XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 def json_grammar(schema: str | dict, root: str = "root") -> str:

@@ -55,11 +55,14 @@ CREATED = int(time.time())  # the served model's `created`
 SHUTDOWN_GRACE = 0.5  # seconds a request still uploading is given, once shutdown starts
 RETRY_AFTER = {"Retry-After": "1"}
 DISCARD_LIMIT = 64 * 2**20  # the most of a refused body the Gate reads (to drop it) before it answers
+MAX_ERROR_MESSAGE = 2000  # characters of an error message (the rest is cut): what it says is in its start
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
+        if len(message) > MAX_ERROR_MESSAGE:  # (a message quoting what the client sent: 400,000 stop strings)
+            message = message[:MAX_ERROR_MESSAGE] + " ..."
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -202,7 +205,7 @@ public = APIRouter()
 v1 = APIRouter(prefix="/v1")  # the API: behind the key, if any (the Gate checks it)
 
 
-@public.get("/health")
+@public.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: what load balancers' probes may send)
 async def health(http: Request):
     engine = http.app.state.engine
     if engine.error is not None:
@@ -437,6 +440,7 @@ class Choices:
     def __init__(self, requests: list, body: SamplingRequest, model: str, tokenizer):
         self.requests, self.body, self.model, self.tokenizer = requests, body, model, tokenizer
         self.n = body.n
+        self._token_texts: dict[int, str] = {}
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -473,7 +477,12 @@ class Choices:
 
     # ---- what both share ----------------------------------------------------------------------
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+        """A token's text (memoized: echo's logprobs name the same tokens over and over)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+            self._token_texts[token_id] = text
+        return text
 
     def _bytes(self, token_id: int) -> list[int]:
         """The token's own bytes (a token holding part of a UTF-8 character decodes to U+FFFD)."""
@@ -503,8 +512,9 @@ class Choices:
                 raise shutting_down()
             yield i, update
 
-    async def collect(self) -> dict:
-        """Wait for every choice; the whole response."""
+    async def collect(self) -> JSONResponse:
+        """Wait for every choice; the whole response, assembled and encoded on a worker thread (echo
+        with logprobs makes megabytes of it, which the event loop must not wait for)."""
         texts: dict[int, list[str]] = {}
         ids: dict[int, list[int]] = {}
         entries: dict[int, list[dict]] = {}
@@ -521,6 +531,9 @@ class Choices:
             if update["finished"]:
                 finals[c] = {"num_tokens": len(ids[c]), "num_cached_tokens": update["num_cached_tokens"],
                              "finish_reason": update["finish_reason"], "stop_reason": update["stop_reason"]}
+        return await asyncio.to_thread(self._response, texts, ids, entries, finals, prompt_entries)
+
+    def _response(self, texts: dict, ids: dict, entries: dict, finals: dict, prompt_entries: dict) -> JSONResponse:
         for c in finals:
             self.echo(c, texts, ids, entries, finals, prompt_entries.get(c // self.n))
         choices = []
@@ -528,8 +541,8 @@ class Choices:
             content, finish_reason = self.final("".join(texts[c]), finals[c]["finish_reason"])
             choices.append({"index": c, "logprobs": self.logprobs(ids[c], entries.get(c), 0),
                             "finish_reason": finish_reason, "stop_reason": finals[c]["stop_reason"], **content})
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(finals)}
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                             "choices": choices, "usage": self.usage(finals)})
 
     async def stream(self) -> AsyncIterator[dict]:
         """The response as chunks: the opening chunk if any, then text deltas; the last chunk of a

@@ -392,6 +392,7 @@ class AsyncEngine:
                                                      "spec_num_draft_tokens", "spec_num_accepted_tokens",
                                                      "spec_num_accepted_tokens_per_pos", "prefix_cache_queries",
                                                      "host_cache_queries", "host_cache_hits", "kv_offloaded_bytes",
-                                                     "kv_reloaded_bytes", "kv_copy_time_s")}}
+                                                     "kv_reloaded_bytes", "kv_copy_time_s", "num_host_blocks",
+                                                     "num_host_blocks_used")}}
         if self.metrics is not None:
             self.metrics.stepped(self.stats)

@@ -20,6 +20,10 @@ class ServingMetrics:
         self.waiting = Gauge("nanovllm:num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
         self.kv_usage = Gauge("nanovllm:kv_cache_usage_perc",
                               "KV cache usage: blocks held by requests over all blocks (0 to 1).", registry=r)
+        self.host_blocks = Gauge("nanovllm:host_cache_blocks", "Blocks the host tier of the prefix cache holds "
+                                 "(0: no host tier).", registry=r)
+        self.host_usage = Gauge("nanovllm:host_cache_usage_perc", "Host tier usage: its blocks holding a cached "
+                                "block over all of them (0 to 1).", registry=r)
         self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens of the requests received.",
                                      registry=r)
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated and returned.", registry=r)
@@ -76,6 +80,8 @@ class ServingMetrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
+        self.host_blocks.set(stats["num_host_blocks"])
+        self.host_usage.set(stats["num_host_blocks_used"] / max(1, stats["num_host_blocks"]))
         for key, counter in (("num_cached_tokens", self.prefix_cache_hits), ("num_preemptions", self.preemptions),
                              ("spec_num_drafts", self.spec_drafts), ("spec_num_draft_tokens", self.spec_draft_tokens),
                              ("spec_num_accepted_tokens", self.spec_accepted_tokens),

@@ -11,15 +11,26 @@ not coerced (an int where a float is expected is fine).
 import dataclasses
 import json
 import re
+import sys
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from nanovllm.engine.structured_outputs import xgrammar_message
 from nanovllm.entrypoints.reasoning_parsers import PROMPT_TAIL_TOKENS
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs (and vLLM's default max_logprobs)
+# Stop strings are searched for in every sequence's new text at every step (on the engine thread):
+# their number and length bound that work. OpenAI takes 4, vLLM 4 by default (VLLM_MAX_STOP_STRINGS);
+# 16 leaves room for lm-eval's longer `until` lists.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
 MAX_N = 128        # completions per prompt, as OpenAI allows: each is a sequence the engine runs
+# The prompt logprobs one call's echo may return: prompt tokens x choices x (logprobs + 1), ~7 MB of
+# JSON at 2**18 (each choice repeats its prompt's). lm-eval's loglikelihood requests (n 1, logprobs
+# 0 or 1) stay far below it for any prompt that fits a context; 1,000 tokens x n 128 x 21 do not.
+MAX_ECHO_LOGPROBS = 2**18
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
 
@@ -32,6 +43,14 @@ class BadRequest(ValueError):
 
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+# A token id as a JSON object key (logit_bias): ASCII digits, no sign, space, underscore or leading zero,
+# at most 10 digits (int() takes all of those, Arabic-Indic digits too, and 5,000 digits slowly).
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def shorten(text: str, limit: int = 40) -> str:
+    """text as an error message quotes it: at most limit characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class StreamOptions(BaseModel):
@@ -122,17 +141,23 @@ class SamplingRequest(BaseModel):
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                           "frequency_penalty", "repetition_penalty")
                  if getattr(self, name) is not None}
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise BadRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        if (longest := max(map(len, stops), default=0)) > MAX_STOP_STRING_CHARS:
+            raise BadRequest(f"stop has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
+                             "stop")
         constraint = self.structured_constraint()
         if constraint is not None and self._reasoning_parser is not None:  # (--reasoning-parser: after the reasoning)
             constraint = dataclasses.replace(constraint, reasoning=(self._reasoning_parser.start,
                                                                     self._reasoning_parser.end))
         logit_bias = None
         if self.logit_bias is not None:
-            try:
-                logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
-            except ValueError:
-                bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
-                raise BadRequest(f"logit_bias keys must be token ids, got {bad!r}", "logit_bias") from None
+            bad = next((key for key in self.logit_bias if not TOKEN_ID_KEY.fullmatch(key)), None)
+            if bad is not None:
+                raise BadRequest(f"logit_bias keys must be token ids in plain decimal (such as \"42\"), got "
+                                 f"{shorten(bad)!r}", "logit_bias")
+            logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
         try:
             return SamplingParams(
                 **given, n=self.n, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens,
@@ -206,6 +231,17 @@ class CompletionRequest(SamplingRequest):
 
     def prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    def for_prompts(self, params: SamplingParams, prompt_token_ids: list[list[int]], tokenizer) -> SamplingParams:
+        """A BadRequest for echo logprobs beyond MAX_ECHO_LOGPROBS."""
+        if self.echo and self.logprobs is not None:
+            entries = sum(map(len, prompt_token_ids)) * self.n * (self.logprobs + 1)
+            if entries > MAX_ECHO_LOGPROBS:
+                raise BadRequest(f"echo with logprobs={self.logprobs} and n={self.n} asks for {entries:,} prompt "
+                                 f"logprobs ({sum(map(len, prompt_token_ids)):,} prompt tokens x n x (logprobs + 1)); "
+                                 f"at most {MAX_ECHO_LOGPROBS:,} are returned: lower n or logprobs, or shorten the "
+                                 f"prompt", "n" if self.n > 1 else "logprobs")
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s): one string, strings, token ids, or lists of token ids."""
@@ -311,8 +347,8 @@ class ChatCompletionRequest(SamplingRequest):
                 return StructuredOutputsParams(grammar=self._tool_parser.grammar(
                     functions, self.parallel_tool_calls and not isinstance(choice, NamedToolChoice)))
             except Exception as e:  # a parameters schema xgrammar cannot read
-                raise BadRequest(f"tools: a function's parameters are not a JSON schema it can hold a call to: {e}",
-                                 "tools") from e
+                raise BadRequest(f"tools: a function's parameters are not a JSON schema it can hold a call to: "
+                                 f"{xgrammar_message(e)}", "tools") from e
         return super().structured_constraint()
 
     prompt_field: ClassVar[str] = "messages"
@@ -373,7 +409,9 @@ def parse_body(raw: bytes, content_type: str | None, model: type[SamplingRequest
         raise BadRequest(f"{field or 'the body'} is nested too deeply to parse", field) from None
     except UnicodeDecodeError as e:
         raise BadRequest(f"the body is not UTF-8: {e.reason} at byte {e.start}") from None
-    except ValueError as e:  # (json.JSONDecodeError, and the constants refused)
+    except ValueError as e:  # (json.JSONDecodeError, the constants refused, an integer of over 4,300 digits)
+        if "integer string conversion" in str(e):
+            raise BadRequest(f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
         raise BadRequest(f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(data).__name__}")
