@@ -173,10 +173,10 @@ def test_top_logprobs_of_tokens_that_decode_alike_stay_apart(llm):
     """Two tokens holding parts of UTF-8 characters both decode to U+FFFD: the second is keyed by
     its id (vLLM's "token_id:N") instead of replacing the first; chat's list form gives each its bytes."""
     from nanovllm.entrypoints.api_server import ChatChoices, CompletionChoices
+    from nanovllm.entrypoints.protocol import CompletionRequest
     ids = [llm.tokenizer.convert_tokens_to_ids(t) for t in ("Ã", "Â")]  # (bytes 0xC3 and 0xC2 alone)
     assert [llm.tokenizer.decode([i]) for i in ids] == ["\ufffd", "\ufffd"]
-    choices = CompletionChoices.__new__(CompletionChoices)
-    choices.tokenizer = llm.tokenizer
+    choices = CompletionChoices([], CompletionRequest.model_validate({"prompt": "x"}), NAME, llm.tokenizer)
     assert choices._top([(ids[0], -1.0), (ids[1], -2.0)]) == {"\ufffd": -1.0, f"token_id:{ids[1]}": -2.0}
     chat = ChatChoices.__new__(ChatChoices)
     chat.tokenizer = llm.tokenizer

@@ -121,6 +121,7 @@ def test_the_key_is_checked_before_the_body_is_read(server):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"word " * 9000 + b'"}]}',
      "messages", "messages has"),
     ("/v1/completions", b'{"prompt": [1, 2, 100000]}', "prompt", "outside the vocabulary"),
+    ("/v1/completions", b'{"prompt": [' + b"7, " * 999_999 + b'7]}', "prompt", "1000000 tokens or more"),
     ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [100000]}', "stop_token_ids", "outside the vocabulary"),
     ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"abc": 1}}', "logit_bias", "keys must be token ids"),
     *(("/v1/completions", b'{"prompt": "hi", "logit_bias": {"%s": 1}}' % key.encode(), "logit_bias", "plain decimal")

@@ -139,6 +139,8 @@ class LLMEngine:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as lists of token ids")
             ids = self._encode_text(prompt, add_special_tokens=True)
         elif isinstance(prompt, (list, tuple)):
+            if len(prompt) >= self.config.max_model_len:  # (refused before a million ids are checked)
+                raise PromptTooLong(len(prompt), self.config.max_model_len)
             bad = next((t for t in prompt if not is_integer(t)), None)
             if bad is not None:
                 raise TypeError(f"a prompt's token ids must be ints, got {bad!r} of type {type(bad).__name__}")
@@ -245,17 +247,32 @@ class LLMEngine:
 
     def compile_grammar(self, sampling_params: SamplingParams):
         """The compiled grammar of the request's structured_outputs (None without): a ValueError
-        for one that does not compile, or not in time. Any thread may call it (a server compiles
-        in its worker threads, and the engine's own call is then a cache hit)."""
+        for one that does not compile, or not in time, or that allowed_token_ids leaves no first
+        token. Any thread may call it (a server compiles first, and the engine's own call is then
+        a cache hit)."""
         constraint = sampling_params.structured_outputs
         if constraint is None:
             return None
+        compiled = self.grammar_compiler().compile(constraint)
+        self.check_first_token(sampling_params, compiled)
+        return compiled
+
+    def grammar_compiler(self) -> Grammars:
+        """The engine's grammar compiler, made at the first constraint (any thread)."""
         if self.tokenizer is None:
             raise ValueError(f"structured_outputs need a tokenizer, and {self.config.model!r} has none")
         with self._grammars_lock:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
-        return self.grammars.compile(constraint)
+        return self.grammars
+
+    def check_first_token(self, sampling_params: SamplingParams, compiled):
+        """A ValueError when allowed_token_ids holds no token the request's grammar may begin with:
+        its first step could sample nothing."""
+        allowed = sampling_params.allowed_token_ids
+        if allowed is not None and not self.grammars.first_tokens(compiled)[list(allowed)].any():
+            raise ValueError("SamplingParams.allowed_token_ids holds no token that the structured_outputs constraint "
+                             "lets a completion begin with")
 
     def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
         """Normalize generate()/stream() arguments and validate every request; nothing is queued."""

@@ -400,12 +400,13 @@ class Scheduler:
     def _advance_grammars(seqs: list[Sequence], tokens: list[int]):
         """Feed each constrained sequence's new token to its grammar (its mask allowed it); one
         whose grammar is complete and took its stop token ends (_stops). A token the grammar
-        refuses all the same (a bug: never seen) ends the sequence with finish_reason "abort",
-        logged, rather than the engine."""
+        refuses all the same was drawn from a row with no token left (the grammar's mask and the
+        request's allowed_token_ids have none in common): that sequence alone ends, with
+        finish_reason "error"."""
         for seq, token in zip(seqs, tokens):
             if seq.matcher is not None and not seq.matcher.accept_token(token):
-                logger.error("sequence %s: its grammar refused token %d, which its mask allowed; ending it",
-                             seq.seq_id, token)
+                logger.warning("sequence %s: no token meets its constraints (its grammar refused token %d); ending it "
+                               "with finish_reason 'error'", seq.seq_id, token)
                 seq.matcher = REFUSED
 
     def _finish_stopped(self, seqs: list[Sequence], tokens: list[int], constrained: bool):
@@ -431,7 +432,7 @@ class Scheduler:
             seq.stop_reason = token if token in params.stop_token_ids else None  # (EOS: None)
             return True
         if seq.matcher is not None and seq.matcher.is_terminated():  # its grammar took its stop token
-            seq.finish_reason, seq.stop_reason = "abort" if seq.matcher is REFUSED else "stop", None
+            seq.finish_reason, seq.stop_reason = "error" if seq.matcher is REFUSED else "stop", None
             return True
         if len(seq.token_ids) >= seq.token_limit:
             seq.finish_reason = "length"

@@ -22,21 +22,33 @@ sampling only after the step before is accounted for (LLMEngine._sample_deferred
 does), so constrained sequences decode every step; a constrained sequence never drafts. StructuredOutputsParams.reasoning puts a free reasoning
 block before the constrained part (reasoning_grammar), for a server's --reasoning-parser.
 """
+import atexit
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_all
+from queue import Empty, SimpleQueue
 
 import numpy as np
 import torch
 
 from nanovllm.sampling_params import StructuredOutputsParams
 
-COMPILE_TIMEOUT_S = 10.0   # a grammar that takes longer to compile fails its request
+COMPILE_TIMEOUT_S = 10.0   # a grammar whose own compile takes longer fails its request (a wait behind others' does not count)
 COMPILE_THREADS = 2        # requests' grammars compiled at once (each compile also uses xgrammar's own threads)
 CACHE_SIZE = 256           # compiled grammars kept, least recently used first out
+POLL_S = 0.1               # how often a wait for a compile checks its time limit (and a server's shutdown)
+# The work one constraint may ask of a compile, bounded before it is queued (a compile cannot be
+# stopped once it runs). Measured here (2 cores): an enum of 5,000 values (79 KB) compiles in 0.3 s
+# and one of 10,000 in 1.2 s (100,000 took 35 s); a 60 KB regex of alternatives 2.8 s; xgrammar's
+# schema conversion grows steeply with nesting (200 JSON levels 0.15 s, 400 levels 1 s, 800 levels
+# 28 s). 64 KiB holds any hand-written schema; OpenAI's structured outputs allow 10 levels of nesting.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_JSON_NESTING = 64      # levels of arrays and objects in a JSON schema's text (a schema level is about 2)
 # xgrammar (0.2.9) writes JSON strings with character classes that let through what JSON text may
 # not hold: a string with minLength or maxLength as the first class below, which admits raw
 # control characters (invalid JSON: strict parsers such as pydantic's refuse it); every string's
@@ -60,6 +72,109 @@ def import_xgrammar():
     return xgrammar
 
 
+class GrammarThreads:
+    """COMPILE_THREADS daemon threads that run grammar jobs (compiles, and building a required tool
+    call's grammar), first come first served, for every engine of the process. A job not started
+    yet can be cancelled (its client went away: it is dropped); one running cannot (xgrammar has
+    no way to stop a compile), which is why check_size bounds the work a constraint may ask for
+    before it is queued. At exit the jobs not started are dropped and those running are waited for
+    (finish_at_exit): a thread killed in the middle of a compile would abort the process."""
+
+    def __init__(self, num_threads: int):
+        self.jobs: SimpleQueue = SimpleQueue()
+        self.running: set[Future] = set()
+        for i in range(num_threads):
+            threading.Thread(target=self._work, name=f"nanovllm-grammar-{i}", daemon=True).start()
+        atexit.register(self.finish_at_exit)
+
+    def submit(self, work, *args) -> Future:
+        """A future of work(*args); its `started` is when a thread took it up (time.monotonic())."""
+        job = Future()
+        job.started = None
+        self.jobs.put((job, work, args))
+        return job
+
+    def _work(self):
+        while True:
+            job, work, args = self.jobs.get()
+            if not job.set_running_or_notify_cancel():
+                continue  # (cancelled while it waited)
+            job.started = time.monotonic()
+            self.running.add(job)
+            try:
+                job.set_result(work(*args))
+            except BaseException as e:
+                job.set_exception(e)
+            finally:
+                self.running.discard(job)
+
+    def finish_at_exit(self):
+        while True:
+            try:
+                job, _, _ = self.jobs.get_nowait()
+            except Empty:
+                break
+            job.cancel()
+        wait_all(list(self.running))
+
+
+_threads: GrammarThreads | None = None
+_threads_lock = threading.Lock()
+
+
+def grammar_threads() -> GrammarThreads:
+    """The process's grammar threads, started on first use."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = GrammarThreads(COMPILE_THREADS)
+        return _threads
+
+
+def overdue(job: Future, timeout_s: float) -> bool:
+    """Whether a grammar job has run for over timeout_s: its own run, not its wait behind others."""
+    return job.started is not None and time.monotonic() - job.started > timeout_s
+
+
+def check_size(params: StructuredOutputsParams):
+    """A ValueError for a constraint that asks more of a compile than a request may: its text over
+    MAX_CONSTRAINT_CHARS, or a JSON schema nested deeper than MAX_JSON_NESTING."""
+    kind = params.kind
+    if kind == "json":
+        check_schema_size(params.json, f"structured_outputs.{kind}")
+    elif kind != "json_object":
+        check_length(sum(map(len, params.choice)) if kind == "choice" else len(getattr(params, kind)),
+                     f"structured_outputs.{kind}")
+
+
+def check_length(size: int, name: str):
+    if size > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"{name} has {size:,} characters, more than the {MAX_CONSTRAINT_CHARS:,} one request may "
+                         f"compile")
+
+
+def check_schema_size(schema: str | dict, name: str):
+    """A ValueError for a JSON schema (its JSON text, or the value) longer than MAX_CONSTRAINT_CHARS
+    or nested deeper than MAX_JSON_NESTING."""
+    text = json.dumps(schema) if not isinstance(schema, str) else schema
+    check_length(len(text), name)
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:  # (brackets outside strings: no recursion, whatever the depth)
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    if deepest > MAX_JSON_NESTING:
+        raise ValueError(f"{name} nests {deepest} levels deep, more than the {MAX_JSON_NESTING} one request may "
+                         f"compile")
+
+
 class Grammars:
     """The engine's grammar compiler and its cache, for one tokenizer and vocabulary."""
 
@@ -71,29 +186,50 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
         self.cache: OrderedDict[StructuredOutputsParams, object] = OrderedDict()  # LRU, CACHE_SIZE at most
         self.lock = threading.Lock()  # (requests compile from several threads)
-        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
         self.timeout_s = COMPILE_TIMEOUT_S
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of a constraint (xgrammar's CompiledGrammar, from the LRU cache when
-        it was compiled before): a ValueError names a constraint that does not compile, or that
-        took over timeout_s (its compile goes on in the background: xgrammar cannot stop it, but
-        nothing waits for it)."""
+        """The compiled grammar of a constraint (xgrammar's CompiledGrammar), compiled on a grammar
+        thread, or from the LRU cache when it was compiled before: a ValueError names a constraint
+        that is too large (check_size), does not compile, accepts no text, or whose compile took
+        over timeout_s (it goes on in the background: xgrammar cannot stop it, but nothing waits)."""
+        job = self.submit(params)
+        while True:
+            try:
+                return job.result(timeout=POLL_S)
+            except FutureTimeout:
+                if overdue(job, self.timeout_s):
+                    job.cancel()
+                    raise ValueError(f"structured_outputs.{params.kind}: compiling it took over {self.timeout_s:g} "
+                                     "s; simplify it") from None
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of a constraint as a future: done at once from the cache, else a job
+        of the grammar threads (a ValueError at once for one too large: check_size)."""
+        check_size(params)
         with self.lock:
             if params in self.cache:
                 self.cache.move_to_end(params)
-                return self.cache[params]
-        future = self.pool.submit(self._compile, params)
-        try:
-            compiled = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise ValueError(f"structured_outputs.{params.kind}: compiling it took over {self.timeout_s:g} s; "
-                             "simplify it") from None
+                job = Future()
+                job.started = None
+                job.set_result(self.cache[params])
+                return job
+        return grammar_threads().submit(self._compile_and_keep, params)
+
+    def _compile_and_keep(self, params: StructuredOutputsParams):
+        compiled = self._compile(params)
         with self.lock:
             self.cache[params] = compiled
             while len(self.cache) > CACHE_SIZE:
                 self.cache.popitem(last=False)
         return compiled
+
+    def first_tokens(self, compiled) -> np.ndarray:
+        """bool [V]: the tokens a completion under this grammar may begin with."""
+        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")  # (bit t of word t // 32)
+        return bits[:self.vocab_size].astype(bool)
 
     def _compile(self, params: StructuredOutputsParams):
         kind, Grammar = params.kind, self.xgr.Grammar
@@ -109,10 +245,13 @@ class Grammars:
             if params.reasoning is not None:  # a free reasoning block first, then the constraint
                 block = reasoning_grammar(*params.reasoning, started=params.reasoning_started)
                 grammar = Grammar.concat(Grammar.from_ebnf(block), grammar)
-            return self.compiler.compile_grammar(grammar)
+            compiled = self.compiler.compile_grammar(grammar)
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
                              f"{xgrammar_message(e)}") from e
+        if not self.first_tokens(compiled).any():  # (`root ::= root`, an empty character class, ...)
+            raise ValueError(f"structured_outputs.{kind} accepts no text: no token can begin a completion under it")
+        return compiled
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)

@@ -42,7 +42,7 @@ from nanovllm.engine.llm_engine import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDead, QueueFull, ShuttingDown, TooLarge,
                                                updates)
-from nanovllm.engine.structured_outputs import import_xgrammar
+from nanovllm.engine.structured_outputs import grammar_threads, import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
 from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
@@ -305,25 +305,30 @@ def check_model(body: SamplingRequest, served_model_name: str):
 
 
 async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, num_logprobs: int | None) -> list:
-    """Tokenize the call's prompts (on the tokenizer threads), give each its completion limit, and
-    queue them together, all or none. Each refusal is an APIError naming the field."""
-    params = body.sampling_params(num_logprobs)
+    """Tokenize the call's prompts (on the tokenizer threads), compile its grammar (on the grammar
+    threads), give each prompt its completion limit, and queue them together, all or none. Each
+    refusal is an APIError naming the field. A caller that goes away meanwhile (this coroutine
+    cancelled) queues nothing, and its compile is dropped if it has not started."""
     try:
         engine.check_open()  # (before tokenizing for nothing)
+        params = await sampling_params(engine, body, num_logprobs)
         prompt_ids = await asyncio.gather(*(engine.encode(prompt) for prompt in prompts))
     except PromptTooLong as e:
         raise BadRequest(f"{body.prompt_field} has {e.num_tokens} tokens or more, which leaves no room to "
                          f"generate within max_model_len={engine.llm.config.max_model_len}", body.prompt_field) from e
+    except BadRequest:
+        raise
     except (ValueError, TypeError) as e:
         raise BadRequest(str(e), body.prompt_field) from e
     except (ShuttingDown, EngineDead) as e:
         raise unavailable(e) from e
     params = body.for_prompts(params, prompt_ids, engine.llm.tokenizer)
-    if params.structured_outputs is not None:  # compiled here, off the engine's thread (then a cache hit there)
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, engine.llm.compile_grammar, params)
-        except ValueError as e:
-            raise BadRequest(str(e), body.structured_field) from e
+    try:
+        await engine.compile_grammar(params)  # (off the engine's thread: it finds the grammar in its cache)
+    except ValueError as e:
+        raise (body.bad_request(e) if "SamplingParams." in str(e) else BadRequest(str(e), body.structured_field)) from e
+    except (ShuttingDown, EngineDead) as e:
+        raise unavailable(e) from e
     max_model_len = engine.llm.config.max_model_len
     params = [with_limit(params, len(ids), body, max_model_len) for ids in prompt_ids]
     try:
@@ -334,6 +339,20 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
         raise body.bad_request(e) from e
     except (QueueFull, ShuttingDown, EngineDead) as e:
         raise unavailable(e) from e
+
+
+async def sampling_params(engine: AsyncEngine, body: SamplingRequest, num_logprobs: int | None):
+    """The call's SamplingParams. A required tool call's grammar is built from its tools' schemas,
+    which xgrammar takes seconds over when they nest deeply: on a grammar thread, timed as a compile."""
+    if not body.requires_tool_call():
+        return body.sampling_params(num_logprobs)
+    job = grammar_threads().submit(body.sampling_params, num_logprobs)
+    try:
+        return await engine.grammar_job(job, "tools: building the grammar of their calls")
+    except BadRequest:
+        raise
+    except ValueError as e:  # (the time limit)
+        raise BadRequest(str(e), "tools") from e
 
 
 def with_limit(params, num_prompt_tokens: int, body: SamplingRequest, max_model_len: int):
@@ -365,18 +384,23 @@ def unavailable(e: Exception) -> APIError:
 
 async def respond(http: Request, body: SamplingRequest, prompts: list, num_logprobs: int | None,
                   choices: "type[Choices] | functools.partial"):
-    """Submit the call's prompts and answer with their choices: a whole response, or a stream."""
+    """Submit the call's prompts and answer with their choices: a whole response, or a stream. A
+    client that disconnects before its answer starts gets none (its requests are aborted; a
+    compile not started yet is dropped)."""
     engine, name = http.app.state.engine, http.app.state.served_model_name
     check_model(body, name)
-    requests = await submit_all(engine, prompts, body, num_logprobs)
-    response = choices(requests, body, name, engine.llm.tokenizer)
-    if body.stream:
-        return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
-                                 media_type="text/event-stream")
     try:
-        return await until_disconnected(http, response.collect())
-    finally:
-        abort(engine, requests)
+        requests = await until_disconnected(http, submit_all(engine, prompts, body, num_logprobs))
+        response = choices(requests, body, name, engine.llm.tokenizer)
+        if body.stream:
+            return StreamingResponse(sse(response.stream(), lambda: abort(engine, requests)),
+                                     media_type="text/event-stream")
+        try:
+            return await until_disconnected(http, response.collect())
+        finally:
+            abort(engine, requests)
+    except ClientGone:
+        return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
 
 
 def abort(engine: AsyncEngine, requests: list):
@@ -385,9 +409,13 @@ def abort(engine: AsyncEngine, requests: list):
         engine.abort(request)
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer started."""
+
+
 async def until_disconnected(http: Request, work):
-    """Run the coroutine `work` and return its result; if the client disconnects first, cancel
-    it (the caller aborts its requests) and answer nobody."""
+    """Run the coroutine `work` and return its result; if the client disconnects first, cancel it
+    and raise ClientGone."""
     task = asyncio.ensure_future(work)
 
     async def disconnected():
@@ -403,7 +431,7 @@ async def until_disconnected(http: Request, work):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)  # (cancel() only asks)
     if task.cancelled():
-        return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
+        raise ClientGone
     try:
         return task.result()
     except EngineDead as e:
@@ -510,6 +538,10 @@ class Choices:
         async for i, update in updates(self.requests):
             if update.get("finish_reason") == "abort":
                 raise shutting_down()
+            if update.get("finish_reason") == "error":  # (the engine's word for a row with no token left)
+                raise APIError(400, f"choice {i * self.n + update['sample']}: no next token met this request's "
+                               "constraints (its structured_outputs and allowed_token_ids had none in common)",
+                               "invalid_request_error", "allowed_token_ids")
             yield i, update
 
     async def collect(self) -> JSONResponse:

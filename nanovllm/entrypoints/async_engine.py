@@ -21,13 +21,14 @@ import dataclasses
 import logging
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from queue import Empty, SimpleQueue
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_outputs import COMPILE_TIMEOUT_S, POLL_S, overdue
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.error: BaseException | None = None
         self.closing = False  # close() was called: new calls are refused
+        self.grammar_timeout_s = COMPILE_TIMEOUT_S  # (a request's own compile; see grammar_job)
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanovllm-tokenizer")
         self._commands: SimpleQueue[Command] = SimpleQueue()
         self._num_submitted = 0  # sequences in Add commands not yet taken by the engine thread
@@ -210,6 +212,32 @@ class AsyncEngine:
     async def submit(self, prompt, params: SamplingParams, stream: bool = False) -> Request:
         """encode() and submit_all() for one prompt."""
         return self.submit_all([await self.encode(prompt)], [params], stream)[0]
+
+    async def compile_grammar(self, params: SamplingParams):
+        """Compile params' structured_outputs on a grammar thread (a cache hit: at once), for the
+        engine to find in its cache when the request is added: a ValueError names a constraint
+        that does not compile, takes too long, or that allowed_token_ids leaves no first token."""
+        if params.structured_outputs is not None:
+            job = self.llm.grammar_compiler().submit(params.structured_outputs)
+            compiled = await self.grammar_job(job, f"structured_outputs.{params.structured_outputs.kind}: compiling it")
+            self.llm.check_first_token(params, compiled)
+
+    async def grammar_job(self, job: Future, what: str):
+        """A grammar thread's job, awaited (structured_outputs.GrammarThreads): a ValueError ("{what}
+        took over ...") once its own run, not its wait in the queue, passes grammar_timeout_s;
+        ShuttingDown once close() is called. A caller that goes away (this coroutine cancelled:
+        its client disconnected) drops the job if it has not started."""
+        waiter = asyncio.wrap_future(job)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=POLL_S)
+                if done:
+                    return waiter.result()
+                self.check_open()
+                if overdue(job, self.grammar_timeout_s):
+                    raise ValueError(f"{what} took over {self.grammar_timeout_s:g} s; simplify it")
+        finally:
+            waiter.cancel()  # (and with it the job, if no thread has taken it up)
 
     def check_open(self):
         """Raise EngineDead or ShuttingDown if no new call can be taken."""
