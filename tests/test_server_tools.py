@@ -132,7 +132,7 @@ def test_the_hermes_parser():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
     content, calls = parser.parse(text)
-    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+    assert content == "Let me check.\n\n" and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
     assert parser.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     assert parser.parse("<tool_call>[1]</tool_call> x") == ("<tool_call>[1]</tool_call> x", [])

@@ -701,8 +701,8 @@ class ChatChoices(Choices):
                 text, self.body._reasoning_started)
         if self.body.calls_tools():
             content, calls = self.body._tool_parser.parse(message["content"] or "")
-            if calls:
-                message.update(content=content, tool_calls=[call.as_api() for call in calls])
+            if calls:  # (the text around them, less the space at its ends)
+                message.update(content=(content or "").strip() or None, tool_calls=[call.as_api() for call in calls])
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return {"message": message}, finish_reason
 
@@ -726,8 +726,8 @@ class ChatChoices(Choices):
         content, calls = parser.parse(pending)
         if not calls:
             return pending, extra, finish_reason
-        return (content or "", {**extra, "tool_calls": [call.as_api(i) for i, call in enumerate(calls)]},
-                "tool_calls" if finish_reason == "stop" else finish_reason)
+        return ((content or "").rstrip(), {**extra, "tool_calls": [call.as_api(i) for i, call in enumerate(calls)]},
+                "tool_calls" if finish_reason == "stop" else finish_reason)  # (the rest of the text, to its end)
 
     def opening(self) -> list[dict]:
         return [{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

@@ -33,8 +33,9 @@ class HermesToolParser:
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The text outside the calls (None when nothing is left) and the calls, in order. A block
-        that is not a JSON object with a string `name` (and object `arguments`) stays in the text."""
+        """The text outside the calls, as written (None when nothing is left), and the calls, in
+        order. A block that is not a JSON object with a string `name` (and object `arguments`)
+        stays in the text."""
         calls, kept, last = [], [], 0
         for match in self.CALL.finditer(text):
             call = self._call(match.group(1))
@@ -44,8 +45,7 @@ class HermesToolParser:
             kept.append(text[last:match.start()])
             last = match.end()
         kept.append(text[last:])
-        content = "".join(kept).strip()
-        return (content or None) if calls else (text or None), calls
+        return ("".join(kept) if calls else text) or None, calls
 
     @staticmethod
     def _call(body: str) -> ToolCall | None:
