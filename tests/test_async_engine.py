@@ -174,6 +174,41 @@ def test_queue_limit(model_dir):
         AsyncEngine(engine.llm, max_queued_requests=0)
 
 
+
+def test_calls_in_one_tick_count_each_others_sequences_against_the_queue_limit(model_dir):
+    """Calls made back to back, with no await between (one event-loop tick, the engine thread
+    parked in a step and taking no command), are admitted against the limit with the sequences
+    of the calls before them, queued but not yet taken by the engine thread: the burst stops at
+    max_queued_requests."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+    step, parked, go = llm.step, threading.Event(), threading.Event()
+
+    def parking_step():
+        parked.set()
+        go.wait()
+        return step()
+    llm.step = parking_step
+    engine = AsyncEngine(llm, max_queued_requests=3)
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        first = engine.submit_all([[1]], [long])
+        await until(parked.is_set)  # (it waits in the engine: the snapshot before the step counts it)
+        assert engine.stats["num_waiting"] == 1
+        burst = [engine.submit_all([[2 + i]], [GREEDY]) for i in range(2)]  # 1 + 2: the limit
+        with pytest.raises(QueueFull, match="3 sequences may wait .* 3 are waiting already"):
+            engine.submit_all([[9]], [GREEDY])
+        with pytest.raises(QueueFull):
+            engine.submit_all([[9], [10]], [GREEDY] * 2)
+        go.set()
+        return [u["finish_reason"] for call in (first, *burst) async for _, u in updates(call) if u["finished"]]
+    try:
+        assert asyncio.run(main()) == ["length"] * 3
+    finally:
+        go.set()
+        engine.shutdown()
+
+
 def test_calls_are_admitted_in_turn(model_dir):
     """Fairness: a call of many prompts does not hold back a later call until all of them have
     run. The engine thread hands the engine the calls' requests in turn, keeping no more than
