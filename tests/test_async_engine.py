@@ -296,3 +296,36 @@ def test_every_llm_option_is_a_flag():
             args.dtype, args.num_kvcache_blocks, args.port, args.api_key) == (77, False, True, 0.5, "float32", 9, 9001, "k")
     with pytest.raises(ValueError, match="does not exist"):
         llm_from_args(args)  # the engine's own validation
+
+
+def test_a_call_after_a_request_failed_with_the_engine_is_refused_at_once(llm, monkeypatch):
+    """The engine fails: a client that has seen its request fail with EngineDead and calls again
+    is refused by that call (EngineDead), not queued to fail later. Deterministic: the engine
+    thread is held right after it fails each request in flight until the client has called again,
+    the window in which a failure reached the client before the engine's error was set."""
+    from nanovllm.entrypoints import async_engine
+    called_again, fail = threading.Event(), async_engine.Request.fail
+
+    def fail_and_wait(self, error):
+        fail(self, error)
+        called_again.wait(timeout=60)  # (a fail-safe only: main() sets it whatever happens)
+    monkeypatch.setattr(async_engine.Request, "fail", fail_and_wait)
+
+    def broken_step():
+        raise RuntimeError("the device fell off")
+    llm.step = broken_step
+    engine = AsyncEngine(llm)
+
+    async def main():
+        request = await engine.submit([1, 2, 3], GREEDY)
+        with pytest.raises(EngineDead, match="fell off"):
+            async for _ in updates([request]):
+                pass
+        try:
+            with pytest.raises(EngineDead, match="fell off"):
+                await engine.submit([1, 2, 3], GREEDY)
+        finally:
+            called_again.set()
+    asyncio.run(main())
+    engine._thread.join(timeout=5)
+    assert isinstance(engine.error, RuntimeError) and not engine._thread.is_alive()
