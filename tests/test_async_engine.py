@@ -78,7 +78,7 @@ def test_a_bad_request_is_refused_and_the_others_finish(llm):
             await engine.submit([1, 10**6], GREEDY)
         with pytest.raises(ValueError, match="empty prompt"):
             await engine.submit([], GREEDY)
-        with pytest.raises(ValueError, match="exceeds max_model_len"):
+        with pytest.raises(ValueError, match="600 tokens or more, which leaves no room to generate within max_model_len"):
             await engine.submit([1] * 600, GREEDY)
         return await good
     try:
@@ -174,6 +174,41 @@ def test_queue_limit(model_dir):
         AsyncEngine(engine.llm, max_queued_requests=0)
 
 
+
+def test_calls_in_one_tick_count_each_others_sequences_against_the_queue_limit(model_dir):
+    """Calls made back to back, with no await between (one event-loop tick, the engine thread
+    parked in a step and taking no command), are admitted against the limit with the sequences
+    of the calls before them, queued but not yet taken by the engine thread: the burst stops at
+    max_queued_requests."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+    step, parked, go = llm.step, threading.Event(), threading.Event()
+
+    def parking_step():
+        parked.set()
+        go.wait()
+        return step()
+    llm.step = parking_step
+    engine = AsyncEngine(llm, max_queued_requests=3)
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        first = engine.submit_all([[1]], [long])
+        await until(parked.is_set)  # (it waits in the engine: the snapshot before the step counts it)
+        assert engine.stats["num_waiting"] == 1
+        burst = [engine.submit_all([[2 + i]], [GREEDY]) for i in range(2)]  # 1 + 2: the limit
+        with pytest.raises(QueueFull, match="3 sequences may wait .* 3 are waiting already"):
+            engine.submit_all([[9]], [GREEDY])
+        with pytest.raises(QueueFull):
+            engine.submit_all([[9], [10]], [GREEDY] * 2)
+        go.set()
+        return [u["finish_reason"] for call in (first, *burst) async for _, u in updates(call) if u["finished"]]
+    try:
+        assert asyncio.run(main()) == ["length"] * 3
+    finally:
+        go.set()
+        engine.shutdown()
+
+
 def test_calls_are_admitted_in_turn(model_dir):
     """Fairness: a call of many prompts does not hold back a later call until all of them have
     run. The engine thread hands the engine the calls' requests in turn, keeping no more than
@@ -261,3 +296,36 @@ def test_every_llm_option_is_a_flag():
             args.dtype, args.num_kvcache_blocks, args.port, args.api_key) == (77, False, True, 0.5, "float32", 9, 9001, "k")
     with pytest.raises(ValueError, match="does not exist"):
         llm_from_args(args)  # the engine's own validation
+
+
+def test_a_call_after_a_request_failed_with_the_engine_is_refused_at_once(llm, monkeypatch):
+    """The engine fails: a client that has seen its request fail with EngineDead and calls again
+    is refused by that call (EngineDead), not queued to fail later. Deterministic: the engine
+    thread is held right after it fails each request in flight until the client has called again,
+    the window in which a failure reached the client before the engine's error was set."""
+    from nanovllm.entrypoints import async_engine
+    called_again, fail = threading.Event(), async_engine.Request.fail
+
+    def fail_and_wait(self, error):
+        fail(self, error)
+        called_again.wait(timeout=60)  # (a fail-safe only: main() sets it whatever happens)
+    monkeypatch.setattr(async_engine.Request, "fail", fail_and_wait)
+
+    def broken_step():
+        raise RuntimeError("the device fell off")
+    llm.step = broken_step
+    engine = AsyncEngine(llm)
+
+    async def main():
+        request = await engine.submit([1, 2, 3], GREEDY)
+        with pytest.raises(EngineDead, match="fell off"):
+            async for _ in updates([request]):
+                pass
+        try:
+            with pytest.raises(EngineDead, match="fell off"):
+                await engine.submit([1, 2, 3], GREEDY)
+        finally:
+            called_again.set()
+    asyncio.run(main())
+    engine._thread.join(timeout=5)
+    assert isinstance(engine.error, RuntimeError) and not engine._thread.is_alive()

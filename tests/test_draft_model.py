@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import build_parser
 from nanovllm.entrypoints.args import llm_from_args
+from nanovllm.layers.rejection_sampler import DRAFT_SALT
 from nanovllm.utils.tiny_model import build_model, build_tokenizer
 
 MAX_LEN = 512
@@ -211,6 +212,33 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model_dir, noisy_dra
         alone = llm.generate(prompts[:1], params, use_tqdm=False)[0]["token_ids"]
         batched = llm.generate(prompts, [params] + [others] * (len(prompts) - 1), use_tqdm=False)[0]["token_ids"]
     assert alone == batched
+
+
+
+def test_drafts_come_from_a_noise_stream_of_their_own(model_dir):
+    """A draft model draws draft j from the uniform of (seed ^ DRAFT_SALT, its position), not the
+    request's own (seed, position): that one is the uniform a rejection's residual draw then uses,
+    and a draft correlated with its residual draw makes the output drift from p, by too little for
+    the sampled-distribution test above to see. With an identical draft every draft is accepted
+    (p = q), so a seeded request's tokens 2..k+1 are its drafts: they equal plain sampling's, after
+    the same first token, with the seed ^ DRAFT_SALT (the same uniforms at the same positions), and
+    not plain sampling's with the request's own seed (which the check tells apart)."""
+    k, seeds, prompt = 3, range(12), [7, 8, 9, 10]
+
+    def params(seed, max_tokens):
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    with LLM(model_dir, max_model_len=64, speculative_config=draft(model_dir, k)) as llm:
+        spec = [o["token_ids"] for o in llm.generate([prompt] * len(seeds), [params(s, k + 2) for s in seeds],
+                                                     use_tqdm=False)]
+        stats = llm.stats()
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] >= k * len(seeds)
+    with LLM(model_dir, max_model_len=64) as llm:
+        def plain(seed_of):
+            return [o["token_ids"] for o in llm.generate([prompt + t[:1] for t in spec],
+                                                         [params(seed_of(s), k) for s in seeds], use_tqdm=False)]
+        salted, own = plain(lambda s: s ^ DRAFT_SALT), plain(lambda s: s)
+    assert [t[1:k + 1] for t in spec] == salted
+    assert sum(a != b for a, b in zip(salted, own)) >= len(seeds) // 2
 
 
 @pytest.fixture(scope="module")

@@ -107,3 +107,41 @@ def test_bench_multiturn_computes_fewer_prefill_tokens_with_the_host_tier(capsys
     assert off["host_cache_hits"] == 0 and on["host_cache_hits"] > 0 and on["kv_reloaded_bytes"] > 0
     assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
     assert len(on["ttft_ms_per_turn"]) == 4 and "off / on" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_swap_preemption_offloads_the_victims_cached_blocks_in_that_step(mode):
+    """With a fake runner (the scheduler alone): the step that preempts a sequence under
+    preemption_mode="swap" copies every cached block of the victim to the host tier (its offloads);
+    "recompute" copies only the one that step hands to another sequence (write-back on eviction),
+    and leaves the other on the device. (Outputs cannot tell the two apart: the test above.)"""
+    from types import SimpleNamespace
+
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm.engine.sequence import Sequence, SequenceStatus
+    config = SimpleNamespace(preemption_mode=mode, max_num_seqs=8, max_num_batched_tokens=100, max_model_len=1000,
+                             speculative=None)
+    sched = Scheduler(config, BlockManager(7, 4, True, num_host_blocks=16), eos_token_ids=set())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a, b, c = (Sequence([base + i for i in range(7)], params, seed=0) for base in (10, 20, 30))
+    for seq in (a, b, c):
+        sched.add(seq)
+
+    def step():
+        planned = sched.schedule()
+        sched.complete(planned, [1] * len(planned.sampling))
+        return planned
+    step()                    # three prefills of 2 blocks each: 1 block free
+    step()                    # each computes its 8th token: 2 full, cached blocks each
+    victim_blocks, victim_keys = list(c.block_table), list(c.block_hashes)
+    assert len(victim_keys) == 2 and sched.num_preemptions == 0
+    planned = step()          # position 8: a takes the free block, b preempts c and takes its tail
+    assert c.status == SequenceStatus.WAITING and sched.num_preemptions == 1
+    assert victim_blocks[1] in b.block_table and victim_blocks[0] in sched.block_manager.free
+    offloaded = set() if planned.offloads is None else {int(block) for block, _ in planned.offloads}
+    on_host = [key in sched.block_manager.host.entries for key in victim_keys]
+    if mode == "swap":
+        assert set(victim_blocks) <= offloaded and on_host == [True, True]
+    else:
+        assert victim_blocks[1] in offloaded and victim_blocks[0] not in offloaded and on_host == [False, True]

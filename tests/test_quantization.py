@@ -224,3 +224,35 @@ def test_online_fp8_of_a_mixture_of_experts(tmp_path):
         assert layer.mlp.experts.w13.dtype == torch.float8_e4m3fn and layer.mlp.gate.weight.dtype == torch.float32
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_same_output(got, generate(fake_quantize_per_channel(moe, str(tmp_path / "moe-pc"))), SAME_ARITHMETIC_TOL)
+
+
+def test_an_all_zero_row_gets_a_finite_scale_and_dequantizes_to_zeros():
+    """Per-channel FP8 of a weight with an all-zero row: its scale is floored (MIN_SCALE), not
+    0 (whose 0 / 0 would be NaN in every entry), and the row comes back as zeros; the other rows
+    as before (their largest |w| maps to 448 exactly)."""
+    from nanovllm.layers.quantization.fp8 import FP8_MAX, dequantize_per_channel, quantize_per_channel
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    w[2] = 0.0
+    q, scale = quantize_per_channel(w)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert torch.isfinite(q.float()).all()
+    back = dequantize_per_channel(q, scale, torch.float32)
+    assert torch.equal(back[2], torch.zeros(64))
+    others = [0, 1, 3]
+    assert torch.equal(scale[others], w[others].abs().amax(1) / FP8_MAX)
+    assert (back[others] - w[others]).abs().max() <= 0.07 * w[others].abs().max()  # (e4m3: 3 mantissa bits)
+
+
+def test_online_fp8_of_a_model_with_an_all_zero_row_stays_finite(checkpoints, tmp_path):
+    """End to end: a checkpoint whose o_proj and down_proj have an all-zero output row (a pruned
+    channel), quantized online: finite logprobs, and the output of its per-channel-quantized
+    weights computed unquantized."""
+    def zero_rows(tensors):
+        tensors["model.layers.0.self_attn.o_proj.weight"][5] = 0.0
+        tensors["model.layers.1.mlp.down_proj.weight"][0] = 0.0
+    path = edit_model(checkpoints["base"], str(tmp_path / "zero-rows"), zero_rows)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    got = generate(path, params, quantization="fp8")
+    assert all(math.isfinite(v) for o in got for lp in o["logprobs"] for v in lp.values())
+    reference = fake_quantize_per_channel(path, str(tmp_path / "zero-rows-pc"))
+    assert_same_output(got, generate(reference, params), SAME_ARITHMETIC_TOL)

@@ -201,3 +201,56 @@ def test_chat_template_kwargs_reach_the_template(thinking_server):
                               json={**body, "chat_template_kwargs": kwargs}), 400)
         assert error["param"] == "chat_template_kwargs" and repr(key) in error["message"] \
             and "enable_thinking" in error["message"], error
+
+
+def test_the_reasoning_block_is_part_of_a_constraints_cache_key():
+    """The same schema with and without a reasoning block are two constraints (unequal: the
+    grammar cache keeps them apart), compiled to two grammars: without it, "<think>" cannot open
+    the answer. (A server with --reasoning-parser asks for chat's with it, completions' without.)"""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from nanovllm import StructuredOutputsParams
+    from nanovllm.engine.structured_outputs import Grammars
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    plain = StructuredOutputsParams(json=schema)
+    thinking = StructuredOutputsParams(json=schema, reasoning=("<think>", "</think>"))
+    assert plain != thinking and len({plain, thinking}) == 2
+    assert plain == StructuredOutputsParams(json=schema) and hash(plain) == hash(StructuredOutputsParams(json=schema))
+    tokenizer = AutoTokenizer.from_pretrained(build_model(tempfile.mkdtemp()))
+    grammars = Grammars(tokenizer, 512, {tokenizer.eos_token_id})
+
+    def accepts(compiled, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+    with_block, without = grammars.compile(thinking), grammars.compile(plain)  # (in this order: a cache hit would
+    assert accepts(with_block, '<think>x</think>{"a": 1}')                     # give the first one back)
+    assert accepts(without, '{"a": 1}') and not accepts(without, '<think>x</think>{"a": 1}')
+
+
+def test_completions_and_chat_with_one_schema_on_a_server_with_the_parser(server):
+    """On a server with --reasoning-parser, chat's constraint allows a reasoning block first and
+    completions' does not, for the same schema, in either order (each gets its own grammar, not
+    the other's from the cache). Greedy, the chat prompt opens a reasoning block where it may
+    (test_a_server_with_the_parser); the completion, with "<" pushed up by logit_bias, could open
+    one only if its grammar allowed it."""
+    less_than = build_tokenizer(tempfile.mkdtemp()).convert_tokens_to_ids("<")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0}
+    completion = {"prompt": "hi there", "max_tokens": 60, "temperature": 0, "logit_bias": {str(less_than): 50}}
+    for maximum, chat_first in [(7, False), (8, True)]:  # (schemas no other test compiles)
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": maximum}},
+                  "required": ["n"], "additionalProperties": False}
+        response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+
+        def ask_chat():
+            message = http(server, "POST", "/v1/chat/completions",
+                           json={**chat, "response_format": response_format}).json()["choices"][0]["message"]
+            assert message["reasoning_content"] and message["content"] is None, (maximum, message)
+
+        def ask_completions():
+            choice = http(server, "POST", "/v1/completions",
+                          json={**completion, "response_format": response_format}).json()["choices"][0]
+            assert choice["finish_reason"] == "stop", (maximum, choice)
+            assert 0 <= json.loads(choice["text"])["n"] <= maximum, (maximum, choice)
+        for ask in (ask_chat, ask_completions) if chat_first else (ask_completions, ask_chat):
+            ask()

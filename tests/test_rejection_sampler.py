@@ -185,3 +185,30 @@ def test_filtered_probabilities_equal_the_full_sort_bit_for_bit():
         assert exact.any() and not exact.all(), "both paths should run"
         assert torch.equal(filtered(probs, k, p, m), expected)
     assert vocab > NUM_CANDIDATES
+
+
+@pytest.mark.parametrize("drafts_from", ["model", "ngram"])
+def test_the_bonus_token_and_a_draftless_row_follow_the_target_distribution(drafts_from):
+    """The token after a fully accepted run (the bonus position) is drawn from p itself, not from
+    a residual: no rejection happened there, whatever the last draft was. And a sequence with no
+    drafts in a batch whose others have some draws from p too (its padded draft slots hold token
+    0, which must not be taken out of p). Bound: TV_BOUND (false failure 1e-6 per check) widened
+    by sqrt(N / draws) for the fewer bonus draws (about p(5) * N = 23,000 with n-gram drafts)."""
+    tokens, emitted, _ = run(1, drafts_from)
+    p = reference(LOGITS).double()
+    bonus = tokens[emitted == 2, 1]
+    assert len(bonus) > N // 10
+    assert tv(torch.bincount(bonus, minlength=V).double(), p) < TV_BOUND * math.sqrt(N / len(bonus))
+    # every other sequence has no drafts (length 0 of K = 2): one row each, drawn from p
+    k = 2
+    lengths = torch.tensor([0, k] * (N // 2), dtype=torch.int64)
+    rows = int((lengths + 1).sum())
+    probs, argmax = target_probs(LOGITS.expand(rows, V).clone(), batch_of(rows))
+    draft_probs = reference(DRAFT_LOGITS).expand(rows, V) if drafts_from == "model" else None
+    seeds = torch.arange(N, dtype=torch.int64) * 104729
+    drafts = torch.full((N, k), 5, dtype=torch.int64)
+    tokens, emitted = verify(probs, argmax, torch.zeros(N, dtype=torch.bool), drafts, lengths, draft_probs, seeds,
+                             torch.full((N,), 40, dtype=torch.int64))
+    draftless = tokens[lengths == 0, 0]
+    assert (emitted[lengths == 0] == 1).all()
+    assert tv(torch.bincount(draftless, minlength=V).double(), p) < TV_BOUND * math.sqrt(N / len(draftless))

@@ -104,3 +104,26 @@ def test_echo_logprobs_are_capped_per_call(server):
     assert error["param"] == "n" and f"{200 * 128 * 21:,} prompt logprobs" in error["message"], error
     served = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert served.status_code == 200 and len(served.json()["choices"][0]["logprobs"]["top_logprobs"]) == 201
+
+
+def test_each_choice_echoes_its_own_prompt_with_several_prompts_and_n(server):
+    """Several prompts, n samples each: choice c belongs to prompt c // n, and echoes that
+    prompt's tokens and prompt logprobs (those a request of that prompt alone gets), whatever
+    the other prompts hold."""
+    prompts, n = [[5, 17, 33, 2, 9], [100, 200, 300, 41, 42, 7, 8], [11, 12]], 2
+    body = {"max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 1.0, "seed": 3}
+    alone = [httpx.post(server.url + "/v1/completions", timeout=60, json={**body, "prompt": p}).json()
+             for p in prompts]
+    response = httpx.post(server.url + "/v1/completions", timeout=60, json={**body, "prompt": prompts, "n": n})
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=itemgetter("index"))
+    assert len(choices) == n * len(prompts)
+    for c, choice in enumerate(choices):
+        prompt, own = prompts[c // n], alone[c // n]["choices"][0]["logprobs"]
+        lp, k = choice["logprobs"], len(prompts[c // n])
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == k + 1, c
+        assert lp["tokens"][:k] == own["tokens"][:k] and lp["text_offset"][:k] == own["text_offset"][:k], c
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, c
+        assert lp["token_logprobs"][1:k] == pytest.approx(own["token_logprobs"][1:k], abs=1e-5), c
+        assert [list(top) for top in lp["top_logprobs"][1:k]] == [list(top) for top in own["top_logprobs"][1:k]], c
+        assert choice["text"].startswith("".join(own["tokens"][:k])), c

@@ -84,6 +84,54 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+
+def test_a_chunked_body_over_the_limit_is_a_413(server):
+    """Without a Content-Length (Transfer-Encoding: chunked) the limit holds for the running
+    size: a valid request padded past it with whitespace, sent in chunks each far under it, is a
+    413 in OpenAI's error shape, not served."""
+    request = b'{"prompt": "hi", "max_tokens": 1}'
+    chunk = 64 * 2**10
+
+    def body():  # (a generator: httpx sends it chunked)
+        yield request
+        for _ in range(LIMIT // chunk + 1):
+            yield b" " * chunk
+    response = httpx.post(server.url + "/v1/completions", content=body(), timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert "content-length" not in response.request.headers
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    assert "--max-request-bytes" in error_of(response, 413)["message"]
+    assert http(server, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+
+@pytest.mark.parametrize("sizes", [[60, 60], [60, 60, 60], [10] * 12], ids=["last-crosses", "middle-crosses", "small"])
+def test_the_gate_refuses_a_chunked_body_over_the_limit_and_reads_it_to_its_end(sizes):
+    """The Gate alone, on a fake connection: a body sent as several messages (chunked) whose
+    running size passes the limit (100 bytes) is a 413 in OpenAI's shape, never reaches the app,
+    and is read to its last message, no further: a message past the last would never come (the
+    connection would hang until the client gave up), so the fake connection fails the test then."""
+    from nanovllm.entrypoints.api_server import Gate
+    messages = [{"type": "http.request", "body": b" " * n, "more_body": i < len(sizes) - 1}
+                for i, n in enumerate(sizes)]
+
+    async def receive():
+        assert messages, "the Gate waited for a message after the body's last one"
+        return messages.pop(0)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        raise AssertionError("a body over the limit reached the app")
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+    asyncio.run(Gate(app, None, 100)(scope, receive, send))
+    assert not messages and sent[0]["status"] == 413
+    error = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert set(error) == {"error"} and "--max-request-bytes" in error["error"]["message"]
+
+
 def test_the_key_is_checked_before_the_body_is_read(server):
     error = error_of(post(server, "/v1/completions", b'{"prompt": "hi",', key=None), 401)
     assert error["type"] == "authentication_error"

@@ -164,3 +164,16 @@ def test_a_call_whose_arguments_do_not_parse_stays_in_the_content(server, client
         "messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "stream": True,
         "structured_outputs": {"choice": [BAD_CALL]}})
     assert raw.status_code == 200 and raw.text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("arguments", ['[1]', '"x"', '1', 'null', '"[1]"', 'true'])
+def test_a_call_whose_arguments_are_not_an_object_stays_in_the_content(arguments):
+    """OpenAI's arguments are a JSON object (as text): a block whose arguments are anything else
+    is no call (a client parsing them as an object would crash); it stays in the text, where it
+    was, and the good calls around it are still calls."""
+    parser = HermesToolParser()
+    bad = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    assert parser.parse(bad) == (bad, [])
+    good = '<tool_call>{"name": "g", "arguments": {"a": 1}}</tool_call>'
+    content, calls = parser.parse(f"{good}\n{bad} after")
+    assert content == f"\n{bad} after" and [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"a": 1})]

@@ -136,11 +136,12 @@ class Gate:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
             return await self._refuse(self._too_large(int(declared)), discard, scope, receive, send)
-        body, more = await self._read(receive, self.max_request_bytes)
+        body, more, ended = await self._read(receive, self.max_request_bytes)
         if more is None:
             return await shutting_down().response()(scope, receive, send)
-        if more:
-            return await self._refuse(self._too_large(len(body) + len(more)), DISCARD_LIMIT, scope, receive, send)
+        if more:  # (nothing left to drop when the message past the limit was the body's last)
+            return await self._refuse(self._too_large(len(body) + len(more)), 0 if ended else DISCARD_LIMIT,
+                                      scope, receive, send)
 
         replayed = False
 
@@ -168,24 +169,27 @@ class Gate:
             await self._read(receive, discard, keep=False)
         await error.response()(scope, receive, send)
 
-    async def _read(self, receive, limit: int, keep: bool = True) -> tuple[bytes, bytes | None]:
-        """The body, up to limit bytes (kept, or counted and dropped), and what came past the
-        limit (b"" if nothing did; None if shutdown's grace ran out first)."""
+    async def _read(self, receive, limit: int, keep: bool = True) -> tuple[bytes, bytes | None, bool]:
+        """The body, up to limit bytes (kept, or counted and dropped), what came past the limit
+        (b"" if nothing did; None if shutdown's grace ran out first), and whether the body's last
+        message has been read: a refusal must then read no further, since no message would come
+        until the client gives up (a chunked body whose last chunk crosses the limit)."""
         chunks, size = [], 0
         while True:
             message = await self._receive(receive)
             if message is None:
-                return b"", None
+                return b"", None, True
             if message["type"] == "http.disconnect":
-                return b"".join(chunks), b""
+                return b"".join(chunks), b"", True
             chunk = message.get("body", b"")
+            ended = not message.get("more_body", False)
             if size + len(chunk) > limit:
-                return b"".join(chunks), chunk
+                return b"".join(chunks), chunk, ended
             size += len(chunk)
             if keep:
                 chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks), b""
+            if ended:
+                return b"".join(chunks), b"", True
 
     async def _receive(self, receive) -> dict | None:
         """The connection's next message, or None once shutdown has gone on for SHUTDOWN_GRACE."""

@@ -292,6 +292,8 @@ class AsyncEngine:
                 self._snapshot()
         except BaseException as e:  # nothing can run any more: tell everyone waiting
             logger.exception("the engine failed; every request in flight fails with it")
+            with self._lock:  # first: a client that sees its request fail and calls again is refused
+                self.error = e  # by that call (check_open), not queued behind the failure
             unfinished = [*self._by_seq.values(), *(r for call in self._held for r in call),
                           *(r for items in self._outbox.values() for r, _ in items)]
             for request in {id(r): r for r in unfinished}.values():
