@@ -38,7 +38,7 @@ import torch
 
 from nanovllm.sampling_params import StructuredOutputsParams
 
-COMPILE_TIMEOUT_S = 10.0   # a grammar whose own compile takes longer fails its request (a wait behind others' does not count)
+COMPILE_TIMEOUT_S = 10.0   # a grammar whose own compile takes longer fails its request (not its wait behind others)
 COMPILE_THREADS = 2        # requests' grammars compiled at once (each compile also uses xgrammar's own threads)
 CACHE_SIZE = 256           # compiled grammars kept, least recently used first out
 POLL_S = 0.1               # how often a wait for a compile checks its time limit (and a server's shutdown)

@@ -14,7 +14,7 @@ everything up to `</think>` is reasoning.
 """
 
 
-PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens read for an opened block (the tag and newlines, whatever the tokenizer)
+PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens read for an opened block (its tag and newlines, any tokenizer)
 
 
 class Qwen3ReasoningParser:
