@@ -78,7 +78,8 @@ def test_a_bad_request_is_refused_and_the_others_finish(llm):
             await engine.submit([1, 10**6], GREEDY)
         with pytest.raises(ValueError, match="empty prompt"):
             await engine.submit([], GREEDY)
-        with pytest.raises(ValueError, match="600 tokens or more, which leaves no room to generate within max_mod"):
+        with pytest.raises(ValueError, match="600 tokens or more, which leaves no room to generate within "
+                                             "max_model_len"):
             await engine.submit([1] * 600, GREEDY)
         return await good
     try:
