@@ -87,6 +87,45 @@ def test_length_bounded_strings_are_json_strings(llm):
         assert len(value) <= 4
 
 
+def accepts(llm, schema, text: bytes) -> bool:
+    """Whether the compiled grammar of schema takes text (UTF-8, possibly invalid) as a whole output."""
+    import xgrammar as xgr
+    matcher = xgr.GrammarMatcher(llm.compile_grammar(constrained("json", schema)))
+    return matcher.accept_string(text) and matcher.accept_token(min(llm.eos_token_ids))
+
+
+SURROGATE = "\ud800".encode("utf-8", "surrogatepass")  # (its 3 bytes are invalid UTF-8)
+
+
+@pytest.mark.parametrize("bounds", [{}, {"maxLength": 0}, {"maxLength": 1}, {"minLength": 0, "maxLength": 1},
+                                    {"minLength": 1, "maxLength": 1}, {"minLength": 1}, {"maxLength": 2},
+                                    {"minLength": 2, "maxLength": 2}, {"minLength": 1, "maxLength": 5}],
+                         ids=lambda bounds: ",".join(f"{k}={v}" for k, v in bounds.items()) or "unbounded")
+@pytest.mark.parametrize("where", ["value", "item", "prefix item", "additional value", "pattern value", "name"])
+def test_strings_of_every_length_bound_hold_no_raw_control_character_or_surrogate(llm, bounds, where):
+    """xgrammar writes a bounded string's characters as a class that admits raw control characters
+    and surrogates, inside a repetition or, for maxLength 1, bare; both forms are patched, for
+    strings as property values, items, additional and pattern properties, and property names."""
+    string = {"type": "string", **bounds}
+    schema, wrap = {
+        "value": ({"type": "object", "properties": {"s": string}, "required": ["s"]}, b'{"s": %s}'),
+        "item": ({"type": "array", "items": string, "minItems": 1, "maxItems": 1}, b"[%s]"),
+        "prefix item": ({"type": "array", "prefixItems": [string], "items": False}, b"[%s]"),
+        "additional value": ({"type": "object", "additionalProperties": string, "minProperties": 1}, b'{"k": %s}'),
+        "pattern value": ({"type": "object", "patternProperties": {"^k$": string}, "minProperties": 1},
+                          b'{"k": %s}'),
+        "name": ({"type": "object", "propertyNames": string, "additionalProperties": {"type": "null"},
+                  "minProperties": 1}, b"{%s: null}"),
+    }[where]
+    length = max(bounds.get("minLength", 1), 1)
+    if bounds.get("maxLength") == 0:
+        assert accepts(llm, schema, wrap % b'""') and not accepts(llm, schema, wrap % b'"a"')
+        return
+    assert accepts(llm, schema, wrap % (b'"' + b"a" * length + b'"'))
+    for bad in (b"\x18", b"\x00", b"\x1f", SURROGATE):
+        assert not accepts(llm, schema, wrap % (b'"' + bad * length + b'"')), (bad, schema)
+
+
 @pytest.mark.parametrize("pattern", [r"\d{3}-[a-z]{2,5}", r"(yes|no)!?", r"[A-Z][a-z]* [0-9]+\.[0-9]{2}",
                                      r"\w{1,6}@example\.(com|org)"])
 def test_output_matches_regexes(llm, pattern):

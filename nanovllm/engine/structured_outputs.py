@@ -37,16 +37,19 @@ from nanovllm.sampling_params import StructuredOutputsParams
 COMPILE_TIMEOUT_S = 10.0   # a grammar that takes longer to compile fails its request
 COMPILE_THREADS = 2        # requests' grammars compiled at once (each compile also uses xgrammar's own threads)
 CACHE_SIZE = 256           # compiled grammars kept, least recently used first out
-# xgrammar (0.2.9) writes JSON strings with character classes that let through what JSON text may
-# not hold: a string with minLength or maxLength as the first class below, which admits raw
-# control characters (invalid JSON: strict parsers such as pydantic's refuse it); every string's
-# class admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte encodings are invalid UTF-8
-# (they decode to U+FFFD). JSON grammars are patched (JSON_PATCHES: old -> new text). A bounded
-# string still takes no escapes, as xgrammar has it: an escape alternative inside its counted
-# repetition made filling 64 masks 10x slower (1,006 against 101 us, maxLength 48).
+# xgrammar (0.2.9) writes JSON strings with two character classes that let through what JSON text
+# may not hold: a string with minLength or maxLength gets the first class below, which admits raw
+# control characters (invalid JSON: strict parsers such as pydantic's refuse it), inside a counted
+# repetition, or bare where at most one character is allowed (maxLength 1); every string's class
+# admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte encodings are invalid UTF-8 (they
+# decode to U+FFFD). Those two are the only negated classes xgrammar's JSON rules hold (any schema
+# keyword, any place), so JSON grammars are patched by replacing them wherever they stand
+# (JSON_PATCHES: old -> new text). A bounded string still takes no escapes, as xgrammar has it: an
+# escape alternative inside its counted repetition made filling 64 masks 10x slower (1,006 against
+# 101 us, maxLength 48).
 JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 JSON_PATCHES = (
-    (r'(([^\"\\\r\n]))', '((' + JSON_CHARACTER + '))'),
+    (r'[^\"\\\r\n]', JSON_CHARACTER),
     (r'[^\0-\x1f\"\\\r\n]', JSON_CHARACTER),
 )
 
