@@ -6,7 +6,9 @@ The engine compiles each request's grammar once, when it is submitted (Grammars.
 caller's thread, or a server's worker thread: never on the engine loop), with a time limit: a
 pathological schema fails alone, with a ValueError, instead of stalling the others. xgrammar's
 compiled grammars stay in an LRU cache keyed by the constraint, so the same schema compiles once
-however many requests bring it. Every sample of the request gets its
+however many requests bring it. A JSON schema is checked first (json_schema.check_schema): a
+keyword xgrammar would not enforce, or one no value satisfies, is a ValueError naming it and where
+it stands, so that every output validates. Every sample of the request gets its
 own matcher (Sequence.matcher), which follows the tokens it accepts. JSON is generated compact
 (xgrammar's any_whitespace off: one space after ':' and ',' at most): with free whitespace
 a model can pad forever, the failure vLLM's --disable-any-whitespace exists for.
@@ -32,6 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
+from nanovllm.engine.json_schema import UnsupportedSchema, check_schema
 from nanovllm.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0   # a grammar that takes longer to compile fails its request
@@ -112,6 +115,8 @@ class Grammars:
             if params.reasoning is not None:  # a free reasoning block first, then the constraint
                 grammar = Grammar.concat(Grammar.from_ebnf(reasoning_grammar(*params.reasoning)), grammar)
             return self.compiler.compile_grammar(grammar)
+        except UnsupportedSchema as e:  # (a schema whose outputs xgrammar would let break it: not "not valid")
+            raise ValueError(f"structured_outputs.{kind}: {e}") from None
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
                              f"{str(e).strip().splitlines()[-1]}") from e
@@ -130,8 +135,9 @@ class Grammars:
 
 def json_grammar(schema: str | dict, root: str = "root") -> str:
     """The EBNF text (xgrammar's) of compact JSON valid against schema, its top rule named root
-    (another name lets a grammar embed it), with JSON_PATCHES applied."""
-    grammar = str(import_xgrammar().Grammar.from_json_schema(schema, any_whitespace=False))
+    (another name lets a grammar embed it), with JSON_PATCHES applied. UnsupportedSchema (a
+    ValueError) names a keyword xgrammar would not enforce (json_schema.check_schema)."""
+    grammar = str(import_xgrammar().Grammar.from_json_schema(json.dumps(check_schema(schema)), any_whitespace=False))
     for old, new in JSON_PATCHES:
         grammar = grammar.replace(old, new)
     return grammar if root == "root" else re.sub(r"\broot\b", root, grammar)
