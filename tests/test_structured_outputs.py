@@ -281,6 +281,17 @@ def test_strings_of_every_length_bound_hold_no_raw_control_character_or_surrogat
         assert not accepts(llm, schema, wrap % (b'"' + bad * length + b'"')), (bad, schema)
 
 
+def test_string_escapes_name_no_lone_surrogate(llm):
+    """An unbounded string takes \\uXXXX escapes; xgrammar's let a lone surrogate through
+    ("\\ud800", which pydantic's parser refuses): a surrogate escape comes in a high-low pair."""
+    schema = {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 1}
+    for text in ['{"k": "\\ud83d\\ude00"}', '{"k": "\\u00e9\\uD7FF\\uE000\\uffff"}', '{"\\uD83D\\uDE00": "x"}']:
+        assert accepts(llm, schema, text.encode()), text
+    for text in ['{"k": "\\ud800"}', '{"k": "\\uDC00"}', '{"k": "\\ud800\\u0041"}', '{"k": "\\udc00\\ud800"}',
+                 '{"\\ud800": "x"}']:
+        assert not accepts(llm, schema, text.encode()), text
+
+
 @pytest.mark.parametrize("pattern", [r"\d{3}-[a-z]{2,5}", r"(yes|no)!?", r"[A-Z][a-z]* [0-9]+\.[0-9]{2}",
                                      r"\w{1,6}@example\.(com|org)"])
 def test_output_matches_regexes(llm, pattern):

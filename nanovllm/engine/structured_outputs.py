@@ -49,11 +49,17 @@ CACHE_SIZE = 256           # compiled grammars kept, least recently used first o
 # keyword, any place), so JSON grammars are patched by replacing them wherever they stand
 # (JSON_PATCHES: old -> new text). A bounded string still takes no escapes, as xgrammar has it: an
 # escape alternative inside its counted repetition made filling 64 masks 10x slower (1,006 against
-# 101 us, maxLength 48).
+# 101 us, maxLength 48). An unbounded string's \uXXXX escape may name a lone surrogate ("\ud800"),
+# which strict parsers (pydantic's, serde_json) refuse: an escaped surrogate comes in a pair, high
+# then low, as UTF-16 has it (JSON_ESCAPE).
 JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+HEX = "[A-Fa-f0-9]"
+JSON_ESCAPE = (f'("u" ([A-Ca-cE-Fe-f0-9] {HEX} {HEX} {HEX} | [Dd] [0-7] {HEX} {HEX}'
+               f' | [Dd] [89ABab] {HEX} {HEX} "\\\\u" [Dd] [C-Fc-f] {HEX} {HEX}))')
 JSON_PATCHES = (
     (r'[^\"\\\r\n]', JSON_CHARACTER),
     (r'[^\0-\x1f\"\\\r\n]', JSON_CHARACTER),
+    (f'("u" {HEX} {HEX} {HEX} {HEX})', JSON_ESCAPE),
 )
 
 
