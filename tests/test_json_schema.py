@@ -72,6 +72,7 @@ ENFORCED = [
     ({"type": "object", "unevaluatedProperties": {"type": "integer"}, "properties": {"a": {"type": "null"}}},
      ['{"a": null, "b": 1}'], ['{"a": null, "b": null}']),
     ({"enum": ["a", 1, None, [1]]}, ['"a"', "1", "null", "[1]"], ['"b"', "2", "[2]"]),
+    ({"enum": [2**63 - 1, -2**63, 0.1]}, [str(2**63 - 1), str(-2**63), "0.1"], ["1", "0.10000000000000001"]),
     ({"const": {"k": [1, 2]}}, ['{"k":[1,2]}'], ['{"k":[1]}']),
     ({"anyOf": [{"type": "integer", "maximum": 0}, {"type": "string", "maxLength": 1}]}, ["-1", '"a"'], ["1", '"ab"']),
     ({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]}, ["1", '"a"'], ["1.5", "null"]),
@@ -147,6 +148,8 @@ REFUSED = [
     ({"type": "object", "patternProperties": {'^"': {"type": "null"}}}, "patternProperties", "", None),
     ({"type": "object", "properties": {"a": {"$id": "inner", "type": "null"}}}, "$id", "/properties/a", None),
     ({"$ref": "https://example.com/s.json"}, "$ref", "", None),
+    ({"const": 12345678901234567890}, "const", "", "1.2345678901234567e+19"),
+    ({"type": "array", "items": {"enum": [1, {"k": [-2**64]}]}}, "enum", "/items", None),
 ]
 
 

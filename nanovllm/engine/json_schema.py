@@ -245,6 +245,12 @@ def check_values(root, node, path, default_type):
     values of other types go (exact: they were not valid)."""
     keyword = "const" if "const" in node else "enum"
     values = [node["const"]] if keyword == "const" else expect(node, "enum", list, path)
+    inside = list(values)
+    while inside:  # (every number a value holds, arrays and objects included)
+        value = inside.pop()
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            refuse(keyword, path, f"xgrammar writes {value}, beyond 64 bits, as a float (another value)")
+        inside += value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
     kept = typed_values(node, default_type)
     if not kept:
         unsatisfiable(keyword, path, f"none of its values is of the type {node.get('type', default_type)!r}")
