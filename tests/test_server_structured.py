@@ -93,3 +93,35 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     assert error["param"] == param and words in error["message"], error
     ok = http(server, "POST", "/v1/chat/completions", json={"model": NAME, "messages": MESSAGES, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 4},
+                                                  "maxItems": 3, "uniqueItems": True}},
+        "required": ["tags"], "additionalProperties": False}
+
+
+def test_a_schema_keyword_xgrammar_would_not_enforce_is_a_400_naming_it(client, server):
+    """uniqueItems (which xgrammar ignores: its outputs could repeat items) through the official
+    client: response_format json_schema and the structured_outputs extra are 400s naming the
+    keyword and where it stands, not 200s whose output breaks the schema."""
+    import openai
+    for kwargs in ({"response_format": {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS}}},
+                   {"extra_body": {"structured_outputs": {"json": TAGS}}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=50, **kwargs)
+        error = caught.value.body
+        assert error["param"] in ("response_format", "structured_outputs"), error
+        assert "the keyword 'uniqueItems' (at /properties/tags) is not supported" in error["message"], error
+    ok = http(server, "POST", "/v1/chat/completions", json={"model": NAME, "messages": MESSAGES, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_a_required_tool_whose_parameters_xgrammar_would_not_enforce_is_a_400_on_tools(client):
+    import openai
+    tools = [{"type": "function", "function": {"name": "tag", "parameters": TAGS}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, tool_choice="required",
+                                       max_tokens=50)
+    error = caught.value.body
+    assert error["param"] == "tools", error
+    assert "the keyword 'uniqueItems' (at /anyOf/0/properties/arguments/properties/tags)" in error["message"], error

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 'structured' extra)")
@@ -69,6 +69,161 @@ def test_output_satisfies_random_json_schemas(llm, schema, temperature, seed):
     jsonschema.validate(parse(out["text"]), schema)
 
 
+# Schemas over every keyword of JSON Schema 2020-12's validation and applicator vocabularies, nested,
+# each also where xgrammar does not enforce it (beside $ref, untyped, ...), with $ref into $defs
+# and definitions, boolean schemas and formats; instances short enough that most outputs end
+# within MAX_TOKENS. Each is refused by name or yields outputs valid against it.
+NAMES = ["a", "b", "c"]
+PATTERNS = ["^[a-c]{1,3}$", "x", "^.{0,2}$", "^[^ab]{1,2}$", "^\\d{1,3}$", "^(?:ab|c)-?$", '^"$', "^\\\\$",
+            "^\\W$", "(?=a)a", "a$b", "^[ -~]{1,2}$", "^\\n$"]
+maybe = st.booleans()
+
+
+def keywords(**strategies):
+    """A dict of some of these keywords (each there half the time)."""
+    return st.fixed_dictionaries({}, optional=strategies)
+
+
+def rarely(**strategies):
+    """A dict of some of these keywords, most often none (xgrammar ignores them: refused)."""
+    return st.one_of(st.just({}), keywords(**strategies))
+
+
+all_keyword_leaves = st.one_of(
+    keywords(minimum=st.integers(-5, 5), maximum=st.integers(-5, 30), exclusiveMinimum=st.integers(-6, 5),
+             exclusiveMaximum=st.integers(-5, 31), multipleOf=st.sampled_from([1, 2, 3, 1.5])).map(
+        lambda k: {"type": "integer", **k}),
+    keywords(minimum=st.sampled_from([-2.5, 0, 1]), maximum=st.sampled_from([1.5, 3, 100]),
+             exclusiveMaximum=st.sampled_from([2, 7.25]), multipleOf=st.sampled_from([0.5, 2])).map(
+        lambda k: {"type": "number", **k}),
+    st.builds(lambda most, k: {"type": "string", "maxLength": most, **k}, st.integers(0, 4),
+              keywords(minLength=st.integers(0, 3), format=st.just("bogus"))),
+    st.builds(lambda pattern, k: {"type": "string", "pattern": pattern, **k}, st.sampled_from(PATTERNS),
+              rarely(maxLength=st.integers(1, 3))),
+    st.builds(lambda form, k: {"type": "string", "format": form, **k},
+              st.sampled_from(["date", "uuid", "ipv4", "time"]),
+              rarely(minLength=st.integers(1, 3), pattern=st.just("^1"))),
+    st.sampled_from([{"type": "boolean"}, {"type": "null"}, True, {}]),
+    st.builds(lambda values, typed: {"enum": values, **({"type": typed} if typed else {})},
+              st.lists(st.sampled_from([1, 2.5, "a", "b", True, None, [1], {"k": 1}]), min_size=1, max_size=4,
+                       unique_by=repr),
+              st.sampled_from([None, "string", "integer"])),
+    st.sampled_from([1, "a", None, {"k": [1, 2]}]).map(lambda value: {"const": value}),
+    st.sampled_from([{"$ref": "#/$defs/word"}, {"$ref": "#/definitions/count"}, {"$ref": "#/$defs/pair"}]),
+    st.sampled_from([{"maxLength": 2}, {"maximum": 3}, {"minItems": 1}, {"required": ["a"]}]),  # (untyped)
+)
+
+
+def all_keyword_containers(children):
+    objects = st.dictionaries(st.sampled_from(NAMES), children, max_size=3).flatmap(lambda props: st.builds(
+        lambda required, k, rare: {"type": "object", "properties": props, "required": required, **k, **rare},
+        st.sampled_from([sorted(props), sorted(props)[:1], [], ["z"]]),
+        keywords(additionalProperties=st.one_of(st.booleans(), children), minProperties=st.integers(0, 2),
+                 maxProperties=st.integers(1, 3), patternProperties=st.dictionaries(
+                     st.sampled_from(["^p$", "^q[0-9]$", "^a"]), children, min_size=1, max_size=2),
+                 propertyNames=st.sampled_from([{"maxLength": 1}, {"pattern": "^[pqr]$"}, {"enum": ["p", "a"]}]),
+                 unevaluatedProperties=st.one_of(st.booleans(), children)),
+        rarely(dependentRequired=st.just({"a": ["b"]}), dependentSchemas=st.builds(lambda s: {"a": s}, children))))
+    arrays = st.builds(
+        lambda items, most, k, rare: {"type": "array", **({"items": items} if items is not None else {}),
+                                      "maxItems": most, **k, **rare},
+        st.one_of(children, st.just(False), st.none()), st.integers(0, 3),
+        keywords(prefixItems=st.lists(children, min_size=1, max_size=2), minItems=st.integers(0, 2), uniqueItems=maybe,
+                 unevaluatedItems=st.one_of(st.booleans(), children)),
+        rarely(contains=children, minContains=st.integers(0, 2), maxContains=st.integers(1, 2)))
+    applicators = st.one_of(
+        st.lists(children, min_size=1, max_size=3).map(lambda branches: {"anyOf": branches}),
+        st.lists(children, min_size=1, max_size=3).map(lambda branches: {"oneOf": branches}),
+        st.lists(children, min_size=1, max_size=2).map(lambda branches: {"allOf": branches}),
+        st.builds(lambda base, k: {**base, **k} if isinstance(base, dict) else base, children,
+                  keywords(**{"not": children, "if": children, "then": children, "else": children})))
+    return st.one_of(objects, arrays, applicators)
+
+
+DEFS = {"word": {"type": "string", "maxLength": 3}, "pair": {"type": "array", "items": {"$ref": "#/definitions/count"},
+                                                            "minItems": 2, "maxItems": 2}}
+DEFINITIONS = {"count": {"type": "integer", "minimum": 0, "maximum": 9}}
+all_keyword_schemas = st.recursive(all_keyword_leaves, all_keyword_containers, max_leaves=5).map(
+    lambda s: {**s, "$defs": DEFS, "definitions": DEFINITIONS} if isinstance(s, dict) and not s.get("$defs") else s)
+MAX_TOKENS = 80
+VALIDATION = ["type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+              "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains", "minContains",
+              "maxProperties", "minProperties", "required", "dependentRequired"]
+APPLICATORS = ["allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "prefixItems", "items",
+               "contains", "properties", "patternProperties", "additionalProperties", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties"]
+
+
+def refused_by_name(schema, message: str) -> bool:
+    """Whether message names a keyword of the vocabularies that schema holds where it says."""
+    from nanovllm.engine.json_schema import DISPATCHERS, KEYWORDS
+    if schema is False:
+        return "the schema is false" in message
+    found = re.search(r"the keyword '([^']+)' \(at ([^)]*)\)", message)
+    if not found or not (found[1] in KEYWORDS or found[1] in DISPATCHERS):
+        return False
+    node = schema
+    for part in found[2].split("/")[1:] if found[2] != "the root" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return isinstance(node, dict) and found[1] in node
+
+
+def test_every_keyword_is_enforced_or_refused_by_name(llm):
+    """For every schema, compiling it is a ValueError naming a keyword the schema holds (and where),
+    or xgrammar's own refusal of it (rare), or every output sampled under it (two seeds) parses
+    strictly and validates; outputs cut by max_tokens are not judged, but most end."""
+    tally = {"schemas": 0, "refused by xgrammar": 0, "outputs": 0, "ended": 0}
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None, phases=[Phase.generate],
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(batch=st.lists(all_keyword_schemas, min_size=8, max_size=8))
+    def run(batch):
+        params = []
+        for schema in batch:
+            tally["schemas"] += 1
+            try:
+                llm.compile_grammar(constrained("json", schema))
+            except ValueError as e:
+                if "is not a valid JSON schema" in str(e):  # (xgrammar's, e.g. minimum above maximum)
+                    tally["refused by xgrammar"] += 1
+                else:
+                    assert refused_by_name(schema, str(e)), (schema, str(e))
+                continue
+            params += [(schema, constrained("json", schema, temperature=1.0, seed=seed, max_tokens=MAX_TOKENS))
+                       for seed in range(2)]
+        outs = llm.generate([PROMPT] * len(params), [p for _, p in params], use_tqdm=False) if params else []
+        for (schema, _), out in zip(params, outs):
+            if out["finish_reason"] == "stop":
+                assert jsonschema.Draft202012Validator(schema).is_valid(parse(out["text"])), (schema, out["text"])
+        tally["outputs"] += len(outs)
+        tally["ended"] += sum(out["finish_reason"] == "stop" for out in outs)
+    run()
+    assert tally["refused by xgrammar"] <= tally["schemas"] // 4 and tally["outputs"] >= tally["schemas"] // 2, tally
+    assert tally["ended"] >= 0.75 * tally["outputs"], tally
+
+
+def test_the_schemas_hold_every_keyword():
+    """The schemas of the test above hold every keyword of the validation and applicator
+    vocabularies, $ref, $defs and definitions, and format (a sample of 200 of them)."""
+    vocabulary = set(VALIDATION + APPLICATORS) | {"$ref", "$defs", "definitions", "format"}
+    seen = set()
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None, phases=[Phase.generate])
+    @given(all_keyword_schemas)
+    def draw(schema):
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                seen.update(k for k in node if not k.startswith("^") and k not in NAMES)
+                stack += node.values()
+            elif isinstance(node, list):
+                stack += node
+    draw()
+    assert vocabulary <= seen, vocabulary - seen
+
+
 def parse(text: str):
     """Strict JSON (raw control characters in strings refused, as pydantic refuses them)."""
     return json.loads(text)
@@ -85,6 +240,56 @@ def test_length_bounded_strings_are_json_strings(llm):
         assert out["finish_reason"] == "stop"
         (value,) = parse(out["text"])
         assert len(value) <= 4
+
+
+def accepts(llm, schema, text: bytes) -> bool:
+    """Whether the compiled grammar of schema takes text (UTF-8, possibly invalid) as a whole output."""
+    import xgrammar as xgr
+    matcher = xgr.GrammarMatcher(llm.compile_grammar(constrained("json", schema)))
+    return matcher.accept_string(text) and matcher.accept_token(min(llm.eos_token_ids))
+
+
+SURROGATE = "\ud800".encode("utf-8", "surrogatepass")  # (its 3 bytes are invalid UTF-8)
+
+
+@pytest.mark.parametrize("bounds", [{}, {"maxLength": 0}, {"maxLength": 1}, {"minLength": 0, "maxLength": 1},
+                                    {"minLength": 1, "maxLength": 1}, {"minLength": 1}, {"maxLength": 2},
+                                    {"minLength": 2, "maxLength": 2}, {"minLength": 1, "maxLength": 5}],
+                         ids=lambda bounds: ",".join(f"{k}={v}" for k, v in bounds.items()) or "unbounded")
+@pytest.mark.parametrize("where", ["value", "item", "prefix item", "additional value", "pattern value", "name"])
+def test_strings_of_every_length_bound_hold_no_raw_control_character_or_surrogate(llm, bounds, where):
+    """xgrammar writes a bounded string's characters as a class that admits raw control characters
+    and surrogates, inside a repetition or, for maxLength 1, bare; both forms are patched, for
+    strings as property values, items, additional and pattern properties, and property names."""
+    string = {"type": "string", **bounds}
+    schema, wrap = {
+        "value": ({"type": "object", "properties": {"s": string}, "required": ["s"]}, b'{"s": %s}'),
+        "item": ({"type": "array", "items": string, "minItems": 1, "maxItems": 1}, b"[%s]"),
+        "prefix item": ({"type": "array", "prefixItems": [string], "items": False}, b"[%s]"),
+        "additional value": ({"type": "object", "additionalProperties": string, "minProperties": 1}, b'{"k": %s}'),
+        "pattern value": ({"type": "object", "patternProperties": {"^k$": string}, "minProperties": 1},
+                          b'{"k": %s}'),
+        "name": ({"type": "object", "propertyNames": string, "additionalProperties": {"type": "null"},
+                  "minProperties": 1}, b"{%s: null}"),
+    }[where]
+    length = max(bounds.get("minLength", 1), 1)
+    if bounds.get("maxLength") == 0:
+        assert accepts(llm, schema, wrap % b'""') and not accepts(llm, schema, wrap % b'"a"')
+        return
+    assert accepts(llm, schema, wrap % (b'"' + b"a" * length + b'"'))
+    for bad in (b"\x18", b"\x00", b"\x1f", SURROGATE):
+        assert not accepts(llm, schema, wrap % (b'"' + bad * length + b'"')), (bad, schema)
+
+
+def test_string_escapes_name_no_lone_surrogate(llm):
+    """An unbounded string takes \\uXXXX escapes; xgrammar's let a lone surrogate through
+    ("\\ud800", which pydantic's parser refuses): a surrogate escape comes in a high-low pair."""
+    schema = {"type": "object", "additionalProperties": {"type": "string"}, "maxProperties": 1}
+    for text in ['{"k": "\\ud83d\\ude00"}', '{"k": "\\u00e9\\uD7FF\\uE000\\uffff"}', '{"\\uD83D\\uDE00": "x"}']:
+        assert accepts(llm, schema, text.encode()), text
+    for text in ['{"k": "\\ud800"}', '{"k": "\\uDC00"}', '{"k": "\\ud800\\u0041"}', '{"k": "\\udc00\\ud800"}',
+                 '{"\\ud800": "x"}']:
+        assert not accepts(llm, schema, text.encode()), text
 
 
 @pytest.mark.parametrize("pattern", [r"\d{3}-[a-z]{2,5}", r"(yes|no)!?", r"[A-Z][a-z]* [0-9]+\.[0-9]{2}",

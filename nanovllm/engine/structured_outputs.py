@@ -6,7 +6,9 @@ The engine compiles each request's grammar once, when it is submitted (Grammars.
 caller's thread, or a server's worker thread: never on the engine loop), with a time limit: a
 pathological schema fails alone, with a ValueError, instead of stalling the others. xgrammar's
 compiled grammars stay in an LRU cache keyed by the constraint, so the same schema compiles once
-however many requests bring it. Every sample of the request gets its
+however many requests bring it. A JSON schema is checked first (json_schema.check_schema): a
+keyword xgrammar would not enforce, or one no value satisfies, is a ValueError naming it and where
+it stands, so that every output validates. Every sample of the request gets its
 own matcher (Sequence.matcher), which follows the tokens it accepts. JSON is generated compact
 (xgrammar's any_whitespace off: one space after ':' and ',' at most): with free whitespace
 a model can pad forever, the failure vLLM's --disable-any-whitespace exists for.
@@ -36,6 +38,7 @@ from queue import Empty, SimpleQueue
 import numpy as np
 import torch
 
+from nanovllm.engine.json_schema import UnsupportedSchema, check_schema
 from nanovllm.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0   # a grammar whose own compile takes longer fails its request (not its wait behind others)
@@ -49,17 +52,26 @@ POLL_S = 0.1               # how often a wait for a compile checks its time limi
 # 28 s). 64 KiB holds any hand-written schema; OpenAI's structured outputs allow 10 levels of nesting.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_JSON_NESTING = 64      # levels of arrays and objects in a JSON schema's text (a schema level is about 2)
-# xgrammar (0.2.9) writes JSON strings with character classes that let through what JSON text may
-# not hold: a string with minLength or maxLength as the first class below, which admits raw
-# control characters (invalid JSON: strict parsers such as pydantic's refuse it); every string's
-# class admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte encodings are invalid UTF-8
-# (they decode to U+FFFD). JSON grammars are patched (JSON_PATCHES: old -> new text). A bounded
-# string still takes no escapes, as xgrammar has it: an escape alternative inside its counted
-# repetition made filling 64 masks 10x slower (1,006 against 101 us, maxLength 48).
+# xgrammar (0.2.9) writes JSON strings with two character classes that let through what JSON text
+# may not hold: a string with minLength or maxLength gets the first class below, which admits raw
+# control characters (invalid JSON: strict parsers such as pydantic's refuse it), inside a counted
+# repetition, or bare where at most one character is allowed (maxLength 1); every string's class
+# admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte encodings are invalid UTF-8 (they
+# decode to U+FFFD). Those two are the only negated classes xgrammar's JSON rules hold (any schema
+# keyword, any place), so JSON grammars are patched by replacing them wherever they stand
+# (JSON_PATCHES: old -> new text). A bounded string still takes no escapes, as xgrammar has it: an
+# escape alternative inside its counted repetition made filling 64 masks 10x slower (1,006 against
+# 101 us, maxLength 48). An unbounded string's \uXXXX escape may name a lone surrogate ("\ud800"),
+# which strict parsers (pydantic's, serde_json) refuse: an escaped surrogate comes in a pair, high
+# then low, as UTF-16 has it (JSON_ESCAPE).
 JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+HEX = "[A-Fa-f0-9]"
+JSON_ESCAPE = (f'("u" ([A-Ca-cE-Fe-f0-9] {HEX} {HEX} {HEX} | [Dd] [0-7] {HEX} {HEX}'
+               f' | [Dd] [89ABab] {HEX} {HEX} "\\\\u" [Dd] [C-Fc-f] {HEX} {HEX}))')
 JSON_PATCHES = (
-    (r'(([^\"\\\r\n]))', '((' + JSON_CHARACTER + '))'),
+    (r'[^\"\\\r\n]', JSON_CHARACTER),
     (r'[^\0-\x1f\"\\\r\n]', JSON_CHARACTER),
+    (f'("u" {HEX} {HEX} {HEX} {HEX})', JSON_ESCAPE),
 )
 
 
@@ -246,6 +258,8 @@ class Grammars:
                 block = reasoning_grammar(*params.reasoning, started=params.reasoning_started)
                 grammar = Grammar.concat(Grammar.from_ebnf(block), grammar)
             compiled = self.compiler.compile_grammar(grammar)
+        except UnsupportedSchema as e:  # (a schema whose outputs xgrammar would let break it: not "not valid")
+            raise ValueError(f"structured_outputs.{kind}: {e}") from None
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise ValueError(f"structured_outputs.{kind} is not a valid {DESCRIPTIONS[kind]}: "
                              f"{xgrammar_message(e)}") from e
@@ -277,8 +291,9 @@ XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 def json_grammar(schema: str | dict, root: str = "root") -> str:
     """The EBNF text (xgrammar's) of compact JSON valid against schema, its top rule named root
-    (another name lets a grammar embed it), with JSON_PATCHES applied."""
-    grammar = str(import_xgrammar().Grammar.from_json_schema(schema, any_whitespace=False))
+    (another name lets a grammar embed it), with JSON_PATCHES applied. UnsupportedSchema (a
+    ValueError) names a keyword xgrammar would not enforce (json_schema.check_schema)."""
+    grammar = str(import_xgrammar().Grammar.from_json_schema(json.dumps(check_schema(schema)), any_whitespace=False))
     for old, new in JSON_PATCHES:
         grammar = grammar.replace(old, new)
     return grammar if root == "root" else re.sub(r"\broot\b", root, grammar)
