@@ -35,15 +35,16 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams takes exactly one of {list(STRUCTURED_KINDS)}, got "
                              f"{given or 'none'}")
         if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from e
+            try:  # (stored as text: hashable; key order kept: it is the output's)
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                text = json.dumps(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from e
+            except RecursionError:
+                raise ValueError("StructuredOutputsParams.json is nested too deeply to read") from None
             if not isinstance(schema, (dict, bool)):
                 raise TypeError(f"StructuredOutputsParams.json must be a JSON schema (an object), got {self.json!r}")
-            object.__setattr__(self, "json", json.dumps(schema))  # (text: hashable; key order kept: it is the output's)
+            object.__setattr__(self, "json", text)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -241,7 +241,7 @@ def test_tool_parameters_get_the_same_check():
     there is a ValueError naming it (the server's 400 on tools)."""
     tools = [{"name": "tag", "parameters": {"type": "object", "properties": {
         "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}]
-    with pytest.raises(ValueError, match="'uniqueItems' \\(at /anyOf/0/properties/arguments/properties/tags\\)"):
+    with pytest.raises(ValueError, match="the parameters of 'tag': the keyword 'uniqueItems' \\(at /properties/tags\\)"):
         HermesToolParser().grammar(tools, parallel=False)
     tools[0]["parameters"]["properties"]["tags"]["maxItems"] = 1  # (unique whatever the items)
     assert "call_json" in HermesToolParser().grammar(tools, parallel=False)

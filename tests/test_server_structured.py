@@ -124,4 +124,4 @@ def test_a_required_tool_whose_parameters_xgrammar_would_not_enforce_is_a_400_on
                                        max_tokens=50)
     error = caught.value.body
     assert error["param"] == "tools", error
-    assert "the keyword 'uniqueItems' (at /anyOf/0/properties/arguments/properties/tags)" in error["message"], error
+    assert "tools: the parameters of 'tag': the keyword 'uniqueItems' (at /properties/tags)" in error["message"], error

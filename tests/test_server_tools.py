@@ -177,3 +177,20 @@ def test_a_call_whose_arguments_are_not_an_object_stays_in_the_content(arguments
     good = '<tool_call>{"name": "g", "arguments": {"a": 1}}</tool_call>'
     content, calls = parser.parse(f"{good}\n{bad} after")
     assert content == f"\n{bad} after" and [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"a": 1})]
+
+
+def test_a_required_tool_whose_parameters_use_defs(client):
+    """Pydantic writes nested models as $defs with "$ref": "#/$defs/City" (what langchain's
+    bind_tools sends): the refs point into the tool's own parameters, wherever the call's grammar
+    puts them."""
+    city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+            "additionalProperties": False}
+    parameters = {"$defs": {"City": city}, "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+                  "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
+             {"type": "function", "function": {"name": "visit", "parameters": parameters}}]
+    for seed in range(3):
+        out = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=tools, temperature=1.0, seed=seed,
+                                             tool_choice={"type": "function", "function": {"name": "visit"}},
+                                             max_tokens=200)
+        check_calls(out.choices[0].message.tool_calls, {"visit": parameters})

@@ -148,6 +148,29 @@ def check_schema(schema: str | dict | bool) -> dict:
     return root
 
 
+def rebase_refs(schema, base: str):
+    """A copy of schema to stand at the JSON pointer base of a larger schema: each local $ref
+    ("#/$defs/X", "#") re-pointed into it ("#" + base + "/$defs/X"), as a tool's parameters need
+    inside the schema of its call. Only keywords holding subschemas are walked (an enum's or a
+    default's {"$ref": ...} is data), iteratively."""
+    copy = json.loads(json.dumps(schema))
+    stack = [copy]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            node["$ref"] = "#" + base + node["$ref"][1:]
+        for keyword in (*SCHEMA_MAPS, "$defs", "definitions"):
+            if isinstance(node.get(keyword), dict):
+                stack.extend(node[keyword].values())
+        for keyword in SCHEMA_LISTS:
+            if isinstance(node.get(keyword), list):
+                stack.extend(node[keyword])
+        stack.extend(node[keyword] for keyword in SCHEMA_VALUES if keyword in node)
+    return copy
+
+
 def check_node(root: dict, node: dict, path: str, default_type: str | None):
     """Checks (and rewrites) one schema; yields (keyword, holder, key, path) for each subschema
     xgrammar reads, holder[key] being the subschema."""

@@ -375,6 +375,8 @@ class ChatCompletionRequest(SamplingRequest):
             try:
                 return StructuredOutputsParams(grammar=self._tool_parser.grammar(
                     functions, self.parallel_tool_calls and not isinstance(choice, NamedToolChoice)))
+            except ValueError as e:  # (check_schema's, naming the tool)
+                raise BadRequest(f"tools: {e}", "tools") from e
             except Exception as e:  # a parameters schema xgrammar cannot read
                 raise BadRequest(f"tools: a function's parameters are not a JSON schema it can hold a call to: "
                                  f"{xgrammar_message(e)}", "tools") from e

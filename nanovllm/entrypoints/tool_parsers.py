@@ -14,6 +14,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from nanovllm.engine.json_schema import check_schema, rebase_refs
 from nanovllm.engine.structured_outputs import json_grammar
 
 
@@ -76,10 +77,21 @@ class HermesToolParser:
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """EBNF for one call of one of these tools (OpenAI's {"name", "parameters"} functions), or
         several one after another when parallel: the name one of theirs, the arguments valid
-        against its parameters' JSON schema."""
-        schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": tool["name"]},
-                                                                "arguments": tool.get("parameters") or {"type": "object"}},
-                             "required": ["name", "arguments"], "additionalProperties": False} for tool in tools]}
+        against its parameters' JSON schema. Each tool's parameters stand in the call schema's
+        $defs, their own $refs ("#/$defs/City", as pydantic writes) re-pointed there: xgrammar
+        resolves a $ref through objects only, not through the anyOf's list. A ValueError names the
+        tool whose parameters are not a schema a call can be held to (check_schema)."""
+        for tool in tools:
+            try:
+                check_schema(tool.get("parameters") or {"type": "object"})
+            except ValueError as e:
+                raise ValueError(f"the parameters of {tool['name']!r}: {e}") from e
+        schema = {"$defs": {f"tool{i}": rebase_refs(tool.get("parameters") or {"type": "object"}, f"/$defs/tool{i}")
+                            for i, tool in enumerate(tools)},
+                  "anyOf": [{"type": "object", "properties": {"name": {"const": tool["name"]},
+                                                              "arguments": {"$ref": f"#/$defs/tool{i}"}},
+                             "required": ["name", "arguments"], "additionalProperties": False}
+                            for i, tool in enumerate(tools)]}
         calls = 'call ("\\n" call)*' if parallel else "call"
         return (f"root ::= {calls}\n"
                 f'call ::= "{self.start}\\n" call_json "\\n{self.end}"\n' + json_grammar(schema, root="call_json"))
