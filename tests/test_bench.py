@@ -112,5 +112,6 @@ def test_bench_server_faults_runs_and_reports_its_figures(capsys):
     assert result["wrong"] == [] and result["over_target"] == ["stream_gap_s"]
     for name in ("sigterm_exit_s", "stream_gap_s", "refusal_s"):
         assert 0 < result[name]["min"] <= result[name]["median"] <= result[name]["max"] < float("inf")
-    for words in ("SIGTERM under load to exit", "longest stream gap during a 0.5 MiB prompt", "over target: stream_gap_s"):
+    for words in ("SIGTERM under load to exit", "longest stream gap during a 0.5 MiB prompt",
+                  "over target: stream_gap_s"):
         assert words in out
