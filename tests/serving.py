@@ -102,7 +102,9 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    """Whether `condition()` comes true within `timeout` seconds (polled). Generous: it returns as
+    soon as the condition holds, and a loaded machine can take seconds for what takes milliseconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

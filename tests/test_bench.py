@@ -1,4 +1,5 @@
-"""bench.py: the standard workload, and a CPU smoke run against Hugging Face."""
+"""bench.py: the standard workload, and a CPU smoke run against Hugging Face; and a smoke run of
+scripts/bench_server_faults.py (its faults' own tests are in test_server_faults.py)."""
 import json
 import os
 import sys
@@ -95,3 +96,22 @@ def test_speculative_run_with_a_dummy_draft_and_its_timeline(tmp_path, monkeypat
     speculative = [r for r in records if r["draft_tokens"]]
     assert speculative and all(r["emitted_tokens"] == r["draft_tokens"] + r["num_seqs"] for r in speculative)
     assert sum(r["emitted_tokens"] for r in records) == result["output_tokens"]
+
+
+def test_bench_server_faults_runs_and_reports_its_figures(capsys):
+    """One repeat of each fault (a 0.5 MiB prompt: still refused, sooner): every client is answered
+    and both figures are printed. The SIGTERM target is off; a stream-gap target of 0 s is over
+    whatever the machine (exit status 1)."""
+    import pytest
+    pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_server_faults
+    result = bench_server_faults.main(["--repeats", "1", "--prompt-mib", "0.5", "--sigterm-exit-target", "inf",
+                                       "--stream-gap-target", "0"])
+    out = capsys.readouterr().out
+    assert result["wrong"] == [] and result["over_target"] == ["stream_gap_s"]
+    for name in ("sigterm_exit_s", "stream_gap_s", "refusal_s"):
+        assert 0 < result[name]["min"] <= result[name]["median"] <= result[name]["max"] < float("inf")
+    for words in ("SIGTERM under load to exit", "longest stream gap during a 0.5 MiB prompt",
+                  "over target: stream_gap_s"):
+        assert words in out

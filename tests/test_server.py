@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -343,6 +342,7 @@ def test_metrics_count_what_was_served(server, client):
 
 # ---- a second server: no chat template, a tiny queue -------------------------------------------
 LONG = 4096  # the plain model's context: a request that long runs for seconds
+SIGTERM_EXIT_LIMIT = 60  # seconds from SIGTERM to exit that mean a hang, not a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -368,14 +368,14 @@ def test_queue_limit_no_template_and_sigterm(plain_model, tmp_path):
                 assert "max-queued-requests" in error_of(full, 503)["message"] and full.headers["retry-after"] == "1"
                 assert waiting.status_code == 200
                 # SIGTERM with both in flight: each stream ends with an error event, then [DONE]
-                start = time.monotonic()
                 server.proc.send_signal(signal.SIGTERM)
                 for stream in (lines, waiting.iter_lines()):
                     tail = [line for line in stream if line.startswith("data:")]
                     assert tail[-1] == "data: [DONE]"
                     assert json.loads(tail[-2][5:])["error"]["code"] == 503, tail[-2]
-        assert server.proc.wait(10) == 0, server.log()
-        assert time.monotonic() - start < 2
+        # (how promptly it exits, ~1.2 s, is scripts/bench_server_faults.py's figure: this bound is
+        # for a hang, and holds on a loaded machine)
+        assert server.proc.wait(SIGTERM_EXIT_LIMIT) == 0, server.log()
     finally:
         server.stop()
 

@@ -1,5 +1,5 @@
 """Schema-driven fuzzing of the server: request bodies generated from the server's own OpenAPI
-document (hypothesis-jsonschema), the same bodies with one field replaced by arbitrary JSON, and
+document (openapi_strategy.py), the same bodies with one field replaced by arbitrary JSON, and
 arbitrary JSON; each is sent to a real `nanovllm serve` and must get a status below 500 (a 200
 stream must end with `data: [DONE]`). Afterwards the server is healthy, has no work left, and
 still answers as the engine does. NANOVLLM_FUZZ_EXAMPLES sets the examples per endpoint (500:
@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
 httpx = pytest.importorskip("httpx", reason="httpx is not installed")
-hypothesis_jsonschema = pytest.importorskip("hypothesis_jsonschema", reason="hypothesis-jsonschema is not installed")
 from hypothesis import HealthCheck, given, settings, strategies as st# noqa: E402
 
 from nanovllm import LLM, SamplingParams# noqa: E402
 from nanovllm.utils.tiny_model import build_model# noqa: E402
+from openapi_strategy import from_schema, request_schemas  # noqa: E402
 from serving import module_server, wait_for  # noqa: E402
 
 EXAMPLES = int(os.environ.get("NANOVLLM_FUZZ_EXAMPLES", "500"))
@@ -51,7 +51,7 @@ def request_bodies(path: str) -> st.SearchStrategy:
     json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
                                lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
                                max_leaves=8)
-    valid = hypothesis_jsonschema.from_schema(schema)
+    valid = from_schema(schema)
     one_field_wrong = st.tuples(valid, st.sampled_from(sorted(schema["properties"])), json_values).map(
         lambda t: {**t[0], t[1]: t[2]})
     return st.one_of(valid, one_field_wrong, json_values)
@@ -63,9 +63,8 @@ SCHEMAS: dict[str, dict] = {}
 @pytest.fixture(scope="module", autouse=True)
 def schemas(server):
     """The request bodies' schemas, from the server's OpenAPI document."""
-    document = httpx.get(server.url + "/openapi.json").json()
-    for path in ENDPOINTS:
-        SCHEMAS[path] = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    SCHEMAS.update(request_schemas(httpx.get(server.url + "/openapi.json").json()))
+    assert set(ENDPOINTS) <= set(SCHEMAS)
 
 
 def send(client, path: str, body) -> int:
