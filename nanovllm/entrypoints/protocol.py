@@ -227,10 +227,11 @@ def prompt_form(value) -> str:
     return "ids" if isinstance(value, list) else "text"
 
 
-PROMPT_FORMS = (str, list[str], list[int], list[list[int]])
-Prompt = Annotated[Union[tuple(Annotated[form, Tag(tag)] for form, tag in zip(PROMPT_FORMS, (  # noqa: UP007
-    "text", "texts", "ids", "id_lists")))], Discriminator(prompt_form),
-    WithJsonSchema({"anyOf": [TypeAdapter(form).json_schema() for form in PROMPT_FORMS]})]
+Prompt = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")],  # noqa: UP007 (Tag needs Union)
+          Annotated[list[int], Tag("ids")], Annotated[list[list[int]], Tag("id_lists")]],
+    Discriminator(prompt_form),  # (the OpenAPI document keeps the plain anyOf)
+    WithJsonSchema({"anyOf": [TypeAdapter(form).json_schema() for form in (str, list[str], list[int], list[list[int]])]})]
 
 
 class CompletionRequest(SamplingRequest):
