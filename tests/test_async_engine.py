@@ -265,17 +265,26 @@ def test_held_requests_are_dropped_by_abort_and_ended_by_abort_all(model_dir):
     assert all_blocks_free(llm)
 
 
-def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):
+def failing_engine(llm) -> AsyncEngine:
+    """An AsyncEngine over llm whose every step raises."""
     def broken_step():
         raise RuntimeError("the device fell off")
     llm.step = broken_step
-    engine = AsyncEngine(llm)
+    return AsyncEngine(llm)
+
+
+async def a_request_fails(engine):
+    request = await engine.submit([1, 2, 3], GREEDY)
+    with pytest.raises(EngineDead, match="fell off"):
+        async for _ in updates([request]):
+            pass
+
+
+def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):
+    engine = failing_engine(llm)
 
     async def main():
-        request = await engine.submit([1, 2, 3], GREEDY)
-        with pytest.raises(EngineDead, match="fell off"):
-            async for _ in updates([request]):
-                pass
+        await a_request_fails(engine)
         with pytest.raises(EngineDead):
             await engine.submit([1, 2, 3], GREEDY)
     asyncio.run(main())
@@ -311,17 +320,10 @@ def test_a_call_after_a_request_failed_with_the_engine_is_refused_at_once(llm, m
         fail(self, error)
         called_again.wait(timeout=60)  # (a fail-safe only: main() sets it whatever happens)
     monkeypatch.setattr(async_engine.Request, "fail", fail_and_wait)
-
-    def broken_step():
-        raise RuntimeError("the device fell off")
-    llm.step = broken_step
-    engine = AsyncEngine(llm)
+    engine = failing_engine(llm)
 
     async def main():
-        request = await engine.submit([1, 2, 3], GREEDY)
-        with pytest.raises(EngineDead, match="fell off"):
-            async for _ in updates([request]):
-                pass
+        await a_request_fails(engine)
         try:
             with pytest.raises(EngineDead, match="fell off"):
                 await engine.submit([1, 2, 3], GREEDY)
