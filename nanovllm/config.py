@@ -8,7 +8,6 @@ import torch
 from huggingface_hub import snapshot_download
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.engine.ngram_proposer import NgramProposer
 from nanovllm.layers.backends import resolve_backend
 from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.models import resolve_model_class
@@ -99,6 +98,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config's num_speculative_tokens must be an int in [1, "
                              f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if method == "ngram":
+            from nanovllm.engine.ngram_proposer import NgramProposer  # (speculation's layer: loaded when asked for)
             NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)  # (checks)
             return config
         if not isinstance(config.model, (str, os.PathLike)):

@@ -1,11 +1,14 @@
 from array import array
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
-from nanovllm.engine.host_tier import HostEntry, HostTier
 from nanovllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanovllm.engine.host_tier import HostEntry
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
@@ -16,6 +19,12 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parents).
     """
     return xxhash.xxh64_intdigest(array("q", token_ids).tobytes(), prev_hash or 0)
+
+
+def host_tier(num_slots: int):
+    """The host tier of the prefix cache (engine/host_tier.py: a layer, loaded when one is asked for)."""
+    from nanovllm.engine.host_tier import HostTier
+    return HostTier(num_slots)
 
 
 class Block:
@@ -61,7 +70,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
-        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self.host = host_tier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
         self.next_uid = 0  # the next block contents' id
         self.offloads: list[tuple[int, int]] = []  # (device block, host slot), queued for the next step
         self.reloads: list[tuple[int, int]] = []   # (host slot, device block)
@@ -109,7 +118,7 @@ class BlockManager:
             self.host.unpin()
         return offloads, reloads
 
-    def _match_prefix(self, seq: Sequence) -> list[tuple[int, int | None, HostEntry | None, list[int]]]:
+    def _match_prefix(self, seq: Sequence) -> list[tuple[int, int | None, "HostEntry | None", list[int]]]:
         """The longest cached run of seq's full blocks, read-only: per block (key, device block id
         or None, host entry or None, tokens), the device tried first. A hit must hold these tokens
         after the contents the run matched before it (its parent_uid).

@@ -19,7 +19,6 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.structured_outputs import Grammars
 from nanovllm.engine.workers import Workers
 from nanovllm.sampling_params import SamplingParams, is_integer
 from nanovllm.utils.logging import configure_logging, format_bytes
@@ -104,7 +103,7 @@ class LLMEngine:
         # are in. (A draft model's drafts are drawn on the device, but their positions are not.)
         self.overlap = config.async_scheduling and config.speculative is None
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
-        self.grammars: Grammars | None = None  # structured outputs' compiler, made at the first constraint
+        self.grammars = None  # structured outputs' compiler (structured_outputs.Grammars), made at the first constraint
         self._grammars_lock = threading.Lock()
         self._log_summary()
 
@@ -257,10 +256,12 @@ class LLMEngine:
         self.check_first_token(sampling_params, compiled)
         return compiled
 
-    def grammar_compiler(self) -> Grammars:
-        """The engine's grammar compiler, made at the first constraint (any thread)."""
+    def grammar_compiler(self):
+        """The engine's grammar compiler (structured_outputs.Grammars), made at the first constraint
+        (any thread)."""
         if self.tokenizer is None:
             raise ValueError(f"structured_outputs need a tokenizer, and {self.config.model!r} has none")
+        from nanovllm.engine.structured_outputs import Grammars  # (structured outputs' layer: loaded when used)
         with self._grammars_lock:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)

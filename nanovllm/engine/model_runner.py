@@ -10,12 +10,10 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_inputs, graph_batch_sizes, padded_batch_size
-from nanovllm.engine.draft_model import DraftModel
 from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.quantization import quantization_scope
-from nanovllm.layers.rejection_sampler import target_probs, verify
 from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
@@ -215,6 +213,12 @@ class StepInputs:
     prompt_logprobs: list | None = None   # ModelRunner._prompt_logprobs' (rank 0)
 
 
+def draft_model(config: Config, runner: "ModelRunner"):
+    """Speculative decoding's draft model (engine/draft_model.py: a layer, loaded when one is asked for)."""
+    from nanovllm.engine.draft_model import DraftModel
+    return DraftModel(config, runner)
+
+
 class ModelRunner:
     """Runs steps of the model over the paged KV cache, and samples. Every rank has one; rank 0's
     is handed the tensor-parallel `workers` (engine/workers.py) and sends them each step.
@@ -278,7 +282,7 @@ class ModelRunner:
         # (Context.padded_batch), from which attention sizes its split-KV the same in both paths.
         self.graph_sizes = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
         # speculative decoding's draft model: on rank 0 alone (engine/draft_model.py)
-        self.drafter = DraftModel(config, self) if config.draft_hf_config is not None and self.rank == 0 else None
+        self.drafter = draft_model(config, self) if config.draft_hf_config is not None and self.rank == 0 else None
         self.num_kv_blocks = self._allocate_kv_cache()
         self.num_host_blocks = self._allocate_host_cache()
         self.graphs = self._capture_graphs() if self.use_graphs else None
@@ -672,6 +676,7 @@ class ModelRunner:
         else:  # the draft model's, from the token table (columns past a sequence's drafts are ignored)
             columns = d["positions"][:, None] + torch.arange(int(drafts.max()), device=self.device)
             draft_ids = self.token_table[d["rows"][:, None], columns.clamp_(max=self.config.max_model_len - 1)].long()
+        from nanovllm.layers.rejection_sampler import target_probs, verify  # (speculation's: loaded with it)
         sbatch = self.sampling_batch(sampling, logits.shape[-1])
         probs, argmax = target_probs(logits, sbatch)
         tokens, emitted = verify(probs, argmax, d["greedy"].bool(), draft_ids, d["lengths"],

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.engine.structured_outputs import apply_bitmask  # (it imports xgrammar only when called)
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9  # an arbitrary well-mixed constant: it makes the two 24-bit draws of a row differ
@@ -253,6 +252,7 @@ def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     banned tokens (min_tokens) at -inf: what greedy takes the argmax of, and temperature scales
     (the rejection sampler's target distribution too). The raw logits are left as they are."""
     if batch.bitmask is not None:
+        from nanovllm.engine.structured_outputs import apply_bitmask  # (structured outputs' layer, loaded with them)
         logits = apply_bitmask(logits, *batch.bitmask)
     if batch.allowed is not None:
         rows, ids = batch.allowed

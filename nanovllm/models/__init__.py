@@ -1,15 +1,13 @@
-"""Model registry: config.json's architectures[0] -> the class that implements it."""
+"""Model registry: config.json's architectures[0] -> the class that implements it. A family's
+module is imported when a checkpoint names it (the mixtures of experts bring the MoE layer)."""
+import importlib
+
 from transformers import PretrainedConfig
 
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.mistral import MistralForCausalLM
-from nanovllm.models.mixtral import MixtralForCausalLM
-from nanovllm.models.qwen2 import Qwen2ForCausalLM
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
-
-REGISTRY = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM,
-                                          Qwen3ForCausalLM, Qwen3MoeForCausalLM)}
+REGISTRY = {  # architecture -> its module under nanovllm.models
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 
 
 def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None = None):
@@ -19,10 +17,10 @@ def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None =
     architectures = getattr(hf_config, "architectures", None) or []
     if isinstance(architectures, str):  # a hand-written config.json may give one name, not a list
         architectures = [architectures]
-    registry = REGISTRY
-    if not architectures or architectures[0] not in registry:
+    if not architectures or architectures[0] not in REGISTRY:
         name = architectures[0] if architectures else None
-        raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(registry)}")
-    model_class = registry[architectures[0]]
+        raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(REGISTRY)}")
+    module = importlib.import_module(f"nanovllm.models.{REGISTRY[architectures[0]]}")
+    model_class = getattr(module, architectures[0])
     model_class.check_config(hf_config, max_model_len)
     return model_class

@@ -10,9 +10,6 @@ config.json's quantization_config says, and checks they agree.
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from nanovllm.layers.quantization.awq import AwqLinearMethod
-from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod
-
 QUANTIZATION_METHODS = ("fp8", "awq")
 SUPPORTED_FP8_BLOCK = (128, 128)
 SUPPORTED_AWQ = {"bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -131,8 +128,11 @@ def linear_method(prefix: str | None):
     config = _CONFIG
     if config is None or prefix is None or config.skips(prefix):
         return None
+    # (a scheme's module is imported when a model is built with it: an unquantized one loads none)
     if config.method == "awq":
+        from nanovllm.layers.quantization.awq import AwqLinearMethod
         return AwqLinearMethod(config.group_size)
+    from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod
     if config.serialized:
         return Fp8BlockLinearMethod(config.weight_block_size)
     return Fp8LinearMethod()
