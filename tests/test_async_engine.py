@@ -2,13 +2,14 @@
 engine thread; each gets exactly its own results; bad requests, aborts and a failing engine
 disturb nobody else; and the `nanovllm` command's flags are LLM's options."""
 import asyncio
-import inspect
+import dataclasses
 import random
 import threading
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import OPTIONS, Config
 from nanovllm.cli import build_parser
 from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import AsyncEngine, EngineDead, QueueFull, ShuttingDown, TooLarge, updates
@@ -293,12 +294,11 @@ def test_a_failing_engine_fails_every_request_and_refuses_new_ones(llm):
 
 
 def test_every_llm_option_is_a_flag():
-    options = [name for name, p in inspect.signature(LLM.__init__).parameters.items()
-               if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    defaults = {f.name: f.default for f in dataclasses.fields(Config) if f.init and f.name != "model"}
+    assert list(defaults) == list(OPTIONS) and "max_model_len" in defaults
     for command in ("serve", "chat"):
         args = build_parser().parse_args([command, "M"])
-        assert all(getattr(args, name) == inspect.signature(LLM.__init__).parameters[name].default
-                   for name in options)
+        assert {name: getattr(args, name) for name in defaults} == defaults
     args = build_parser().parse_args(["serve", "M", "--max-model-len", "77", "--no-enable-prefix-caching",
                                       "--enforce-eager", "--gpu-memory-utilization", "0.5", "--dtype", "float32",
                                       "--num-kvcache-blocks", "9", "--port", "9001", "--api-key", "k"])

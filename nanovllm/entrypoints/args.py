@@ -1,23 +1,22 @@
 """The engine's options as command-line flags: every keyword option of `LLM(...)` is a flag with
-dashes (`--max-model-len 2048`, `--no-enable-prefix-caching`), read from LLM's own signature, so
-the two never drift apart. A leaf module: the `nanovllm` command and each entry point import it."""
+dashes (`--max-model-len 2048`, `--no-enable-prefix-caching`), read from Config's fields, so the
+two never drift apart. A leaf module: the `nanovllm` command and each entry point import it."""
 import argparse
-import inspect
+import dataclasses
 import types
 import typing
 
+from nanovllm.config import OPTIONS, Config
 from nanovllm.llm import LLM
 
 
 def llm_options() -> list[tuple[str, object, type]]:
-    """(name, default, type) of each keyword option of LLM(), from its signature."""
+    """(name, default, type) of each keyword option of LLM(): Config's fields (config.OPTIONS)."""
     options = []
-    for name, p in inspect.signature(LLM.__init__).parameters.items():
-        if p.kind is not inspect.Parameter.KEYWORD_ONLY:
-            continue
-        kinds = typing.get_args(p.annotation) if isinstance(p.annotation, types.UnionType) else (p.annotation,)
-        kind = next(k for k in (bool, int, float, dict, str) if k in kinds)
-        options.append((name, p.default, kind))
+    for f in dataclasses.fields(Config):
+        if f.name in OPTIONS:
+            kinds = typing.get_args(f.type) if isinstance(f.type, types.UnionType) else (f.type,)
+            options.append((f.name, f.default, next(k for k in (bool, int, float, dict, str) if k in kinds)))
     return options
 
 
