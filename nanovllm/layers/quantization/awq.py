@@ -10,10 +10,9 @@ order chosen for its CUDA kernel's fast int4 -> fp16 conversion.
 """
 import torch
 
-from nanovllm.layers.quantization.base import Axes, check_divisible, new_param
+from nanovllm.layers.quantization.base import PACK, Axes, check_divisible, new_param
 from nanovllm.utils.triton_mode import import_kernels
 
-PACK = 8                                    # 4-bit values per int32
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)       # column j of a word -> its nibble
 _SHIFTS = torch.tensor(AWQ_NIBBLE, dtype=torch.int32) * 4
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.quantization.awq import PACK
+from nanovllm.layers.quantization.base import PACK
 from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
                                                   workspace)
 from nanovllm.utils.triton_mode import check_kernel_device

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# The formats the schemes and their kernels share (here, so that a kernel module imports no scheme:
+# fp8.py and awq.py load their kernels by name, and a kernel importing its scheme back is a cycle).
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max          # 448: the largest finite e4m3 value
+# A scale's floor: an all-zero row or group would otherwise get scale 0 and 0 / 0 = NaN.
+MIN_SCALE = 1e-12
+PACK = 8                                # AWQ's 4-bit values per int32
+
 
 @dataclass(frozen=True)
 class Axes:

@@ -11,13 +11,9 @@ reference every kernel is tested against.
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.quantization.base import WEIGHT_AXES, BIAS_AXES, Axes, check_divisible, new_param
+from nanovllm.layers.quantization.base import (FP8, FP8_MAX, MIN_SCALE, WEIGHT_AXES, BIAS_AXES, Axes, check_divisible,
+                                               new_param)
 from nanovllm.utils.triton_mode import import_kernels
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max          # 448: the largest finite e4m3 value
-# A scale's floor: an all-zero row or group would otherwise get scale 0 and 0 / 0 = NaN.
-MIN_SCALE = 1e-12
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
