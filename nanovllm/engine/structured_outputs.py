@@ -2,9 +2,10 @@
 strings or an EBNF grammar (SamplingParams.structured_outputs), with xgrammar, the library vLLM
 and SGLang use (the `structured` extra).
 
-The engine compiles each request's grammar once, when it is submitted (Grammars.compile, in the
-caller's thread, or a server's worker thread: never on the engine loop), with a time limit: a
-pathological schema fails alone, with a ValueError, instead of stalling the others. xgrammar's
+The engine compiles each request's grammar once, when it is submitted (Grammars.compile), on the
+process's grammar threads (GrammarThreads: never the engine loop's, nor a server's event loop),
+its work bounded before it is queued (check_size) and its own run timed: a pathological schema
+fails alone, with a ValueError, instead of stalling the others. xgrammar's
 compiled grammars stay in an LRU cache keyed by the constraint, so the same schema compiles once
 however many requests bring it. A JSON schema is checked first (json_schema.check_schema): a
 keyword xgrammar would not enforce, or one no value satisfies, is a ValueError naming it and where
@@ -101,8 +102,7 @@ class GrammarThreads:
 
     def submit(self, work, *args) -> Future:
         """A future of work(*args); its `started` is when a thread took it up (time.monotonic())."""
-        job = Future()
-        job.started = None
+        job = new_job()
         self.jobs.put((job, work, args))
         return job
 
@@ -128,6 +128,13 @@ class GrammarThreads:
                 break
             job.cancel()
         wait_all(list(self.running))
+
+
+def new_job() -> Future:
+    """A grammar job's future, not started (overdue() reads `started`)."""
+    job = Future()
+    job.started = None
+    return job
 
 
 _threads: GrammarThreads | None = None
@@ -222,8 +229,7 @@ class Grammars:
         with self.lock:
             if params in self.cache:
                 self.cache.move_to_end(params)
-                job = Future()
-                job.started = None
+                job = new_job()
                 job.set_result(self.cache[params])
                 return job
         return grammar_threads().submit(self._compile_and_keep, params)
