@@ -1,16 +1,19 @@
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
-from huggingface_hub import snapshot_download
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.layers.backends import resolve_backend
 from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.models import resolve_model_class
+from nanovllm.utils.hub import resolve_model
+
+if TYPE_CHECKING:
+    from nanovllm.speculative.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -23,130 +26,9 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 FLASH_ATTN_BLOCK_SIZE = 256
 DEFAULT_BLOCK_SIZE = 16
 GENERATION_CONFIG = "generation_config.json"
-# A Hugging Face Hub repository id: "Qwen/Qwen3-0.6B" (or a bare "gpt2"), not a path
-REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w][\w.-]*)?")
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]  # config, weights, tokenizer
-
-
-def resolve_model(name, what: str = "model") -> str:
-    """A model's local folder: `name` itself when it is one; else the snapshot of the Hugging Face
-    Hub repository of that id (its config, weights and tokenizer files; downloaded into the Hub
-    cache, or found there when offline, as vLLM does). A ValueError when it is neither."""
-    if not isinstance(name, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a path to a Hugging Face model folder or a Hub repository id, got {name!r}")
-    name = os.fspath(name)
-    if os.path.isdir(name):
-        return name
-    if os.path.isabs(name) or name.startswith(".") or not REPO_ID.fullmatch(name):
-        raise ValueError(f"{what} folder {name!r} does not exist")
-    try:
-        return snapshot_download(name, allow_patterns=HUB_FILES)
-    except Exception as online:  # no network, an unknown repository, a gated one: try the cache alone
-        try:
-            return snapshot_download(name, allow_patterns=HUB_FILES, local_files_only=True)
-        except Exception:
-            raise ValueError(f"{what} {name!r} does not exist as a folder, and the Hugging Face Hub repository of that "
-                             f"name could not be fetched or found in the local cache: {online}") from online
-
-
 # preemption_mode: "recompute" frees a preempted sequence's blocks (its prefix is computed again,
 # or revived from the prefix cache); "swap" keeps them in the host tier (kv_offloading_size).
 PREEMPTION_MODES = ("recompute", "swap")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-# The longest draft: a step verifies k + 1 tokens per sequence, and a draft's n-th token is accepted
-# only if all before it are (vLLM's EAGLE drafts 3 to 10; past 32 a step would verify tokens that
-# almost never count, and the per-position acceptance counters grow with k).
-MAX_SPECULATIVE_TOKENS = 32
-SPECULATIVE_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "draft_model": {"model"}}
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """speculative_config, with vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup), or {"method": "draft_model",
-    "model": DRAFT_PATH, "num_speculative_tokens": k} (a smaller model with the target's tokenizer)."""
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: its folder
-
-    @classmethod
-    def parse(cls, value) -> "SpeculativeConfig | None":
-        """The checked config of a dict (or its JSON text, from the command line); None stays None."""
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
-        method = value.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config's method must be one of {list(SPECULATIVE_METHODS)}, got "
-                             f"{method!r}")
-        known = {"method", "num_speculative_tokens"} | SPECULATIVE_KEYS[method]
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"speculative_config has unknown keys {unknown}; method {method!r} takes {sorted(known)}")
-        if "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs num_speculative_tokens (the draft length k >= 1)")
-        config = cls(**value)
-        k = config.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config's num_speculative_tokens must be an int in [1, "
-                             f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if method == "ngram":
-            from nanovllm.engine.ngram_proposer import NgramProposer  # (speculation's layer: loaded when asked for)
-            NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)  # (checks)
-            return config
-        if not isinstance(config.model, (str, os.PathLike)):
-            raise ValueError(f"speculative_config's method 'draft_model' needs \"model\": the draft model's folder, "
-                             f"got {config.model!r}")
-        return config
-
-    def draft_hf_config(self, target: PretrainedConfig, max_model_len: int) -> PretrainedConfig:
-        """The draft model's config, checked against the target's: an architecture this engine
-        runs, positions up to max_model_len, and logits over the target's token ids (the two
-        tokenizers are compared once the engine has loaded them: check_draft_tokenizer)."""
-        folder = resolve_model(self.model, "speculative_config's draft model")
-        object.__setattr__(self, "model", folder)  # (a Hub id: its local snapshot)
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ValueError(f"speculative_config's draft model folder {folder!r} has no config.json")
-        try:
-            config = AutoConfig.from_pretrained(folder)
-        except Exception as e:
-            raise ValueError(f"cannot read the draft model's {folder}/config.json: {e}") from e
-        resolve_model_class(config, max_model_len)  # (ValueError: an architecture the engine does not run)
-        positions = getattr(config, "max_position_embeddings", None)
-        if positions is not None and positions < max_model_len:
-            raise ValueError(f"the draft model {folder!r} takes {positions} positions (max_position_embeddings), "
-                             f"fewer than max_model_len={max_model_len}: lower max_model_len")
-        return config
-
-
-def check_draft_tokenizer(target, draft, target_vocab_size: int, draft_vocab_size: int, folder: str):
-    """A draft model must propose the target's token ids: the same tokenizer vocabulary (its
-    embedding tables may be padded differently: Qwen2.5's 0.5B has 151,936 rows, its 7B 152,064),
-    each model's vocab_size covering it."""
-    if target is None or draft is None:
-        if target is not None or draft is not None:
-            raise ValueError(f"the draft model {folder!r} and the target must both have a tokenizer, or neither")
-        if draft_vocab_size != target_vocab_size:
-            raise ValueError(f"the draft model {folder!r} has vocab_size {draft_vocab_size}, the target "
-                             f"{target_vocab_size}; without tokenizers to compare they must be equal")
-        return
-    vocab = target.get_vocab()
-    if draft.get_vocab() != vocab:
-        raise ValueError(f"the draft model {folder!r} has a different tokenizer vocabulary from the target's "
-                         f"({len(draft.get_vocab())} against {len(vocab)} tokens): its token ids would mean other text")
-    needed = max(vocab.values(), default=-1) + 1
-    if min(draft_vocab_size, target_vocab_size) < needed:
-        raise ValueError(f"the draft model {folder!r} (vocab_size {draft_vocab_size}) or the target "
-                         f"({target_vocab_size}) has fewer logits than the tokenizer's {needed} ids")
-
-
 @dataclass
 class Config:
     """Every engine option, validated once (LLM's keyword options, the `nanovllm` command's flags);
@@ -178,7 +60,7 @@ class Config:
         lookup), or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}
         (a smaller model with the target's tokenizer; on rank 0 only), None: off. Each decoding
         sequence proposes up to k draft tokens, and one forward of the target checks them all
-        (layers/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
+        (speculative/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
         target's distribution. Speculative steps run synchronously.
     quantization: "fp8" quantizes the linear layers' weights at load (per output channel; a
         bf16/fp32 checkpoint); None reads the checkpoint's config.json (block-quantized FP8 and
@@ -212,7 +94,7 @@ class Config:
     quantization: str | None = None
     kv_offloading_size: float = 0
     preemption_mode: str = "recompute"
-    speculative: SpeculativeConfig | None = field(init=False, default=None)
+    speculative: "SpeculativeConfig | None" = field(init=False, default=None)
     quant_config: QuantizationConfig | None = field(init=False, default=None)
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -254,7 +136,9 @@ class Config:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            from nanovllm.speculative.config import SpeculativeConfig  # (speculation's layer: loaded when asked for)
+            self.speculative = SpeculativeConfig.parse(self.speculative_config)
         self._check_host_tier()
 
         if self.device is None:

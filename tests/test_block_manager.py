@@ -20,21 +20,19 @@ def admit(bm: BlockManager, seq: Sequence) -> bool:
     num_cached = bm.allocate(seq)
     if num_cached is None:
         return False
-    seq.num_computed_tokens = num_cached
-    if not seq.admitted:
-        seq.num_cached_tokens, seq.admitted = num_cached, True
+    seq.admit(num_cached)
     return True
 
 
 def release(bm: BlockManager, seq: Sequence):
     """What the scheduler does with free_blocks(): the K/V are gone with the blocks."""
     bm.free_blocks(seq)
-    seq.num_computed_tokens = 0
+    seq.evict()
 
 
 def compute_all(bm: BlockManager, seq: Sequence, num_tokens=None):
     """What a step does once seq's K/V are written: mark tokens computed, publish full blocks."""
-    seq.num_computed_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    seq.advance(seq.num_tokens if num_tokens is None else num_tokens, samples=False)
     bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
 

@@ -13,7 +13,7 @@ CORE_LINE_BUDGET = 5400
 # Layers a plain dense-model generate must not load: speculation's draft model and rejection
 # sampler, structured outputs and their schema check, the host tier, MoE and quantized GEMMs, the
 # mixture-of-experts families, bench's step recorder, the server.
-OPTIONAL_LAYERS = ("nanovllm.engine.draft_model", "nanovllm.layers.rejection_sampler",
+OPTIONAL_LAYERS = ("nanovllm.speculative.draft_model", "nanovllm.speculative.rejection_sampler",
                    "nanovllm.engine.structured_outputs", "nanovllm.engine.json_schema", "nanovllm.engine.host_tier",
                    "nanovllm.layers.moe", "nanovllm.layers.quantization.fp8", "nanovllm.layers.quantization.awq",
                    "nanovllm.models.sparse", "nanovllm.models.mixtral", "nanovllm.models.qwen3_moe",

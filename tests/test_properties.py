@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import nanovllm.engine.block_manager as block_manager_module
-from nanovllm.config import SpeculativeConfig
+from nanovllm.speculative.config import SpeculativeConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -226,8 +226,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         candidates = sorted(self.queued(), key=lambda s: s.seq_id)
         seq = data.draw(st.sampled_from(candidates), label="abort")
         pending_forks = list(seq.forks)
-        seq.finish_reason = "abort"
-        self.sched.finish(seq)
+        self.sched.finish(seq, "abort")
         assert seq.is_finished and seq.block_table == []
         assert all(f.is_finished for f in pending_forks)
 
@@ -438,8 +437,7 @@ def test_abort_of_unqueued_fork_stays_finished():
     first, fork = (Sequence([1, 2, 3, 1, 2], params, seed=j, index=0, sample_index=j) for j in range(2))
     first.forks = [fork]
     sched.add(first)
-    fork.finish_reason = "abort"   # as LLMEngine.abort(fork) does
-    sched.finish(fork)
+    sched.finish(fork, "abort")   # as LLMEngine.abort(fork) does
     for _ in range(10):
         planned = sched.schedule()
         if planned is None:

@@ -332,8 +332,8 @@ def test_finish_aborts_waiting_and_running():
     sched.add(b)
     step(sched)
     assert sched.running == [a] and list(sched.waiting) == [b]
-    sched.finish(b)
-    sched.finish(a)
+    sched.finish(b, "abort")
+    sched.finish(a, "abort")
     assert sched.is_finished()
     assert a.is_finished and b.is_finished
     assert sched.block_manager.num_free_blocks == 10

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (n-gram drafts, verified by layers/rejection_sampler.py):
+"""Speculative decoding in the engine (n-gram drafts, verified by speculative/rejection_sampler.py):
 greedy output equals plain decoding token for token, with chunked prefill, preemption, small
 blocks, prefix caching, n > 1, stop tokens and strings, logprobs and streaming; blocks holding
 unverified tokens are never published; seeded sampling stays reproducible whatever the batch;
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-import nanovllm.engine.scheduler as scheduler_module
+import nanovllm.speculative.scheduling as speculation_module
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import build_parser
-from nanovllm.engine.spec_decode import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
+from nanovllm.speculative.policy import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
 from nanovllm.entrypoints.args import llm_from_args
 
 MAX_LEN = 512
@@ -83,12 +83,12 @@ def test_stops_inside_an_accepted_run_end_the_sequence_there(model_dir, plain, p
     expected = plain.generate(doubled, params, use_tqdm=False)
     with LLM(model_dir, max_model_len=MAX_LEN, speculative_config=ngram(4)) as llm:
         runs = []  # (the runs each sequence emitted: where its stop fell)
-        complete = llm.scheduler._complete_verified
+        complete = llm.scheduler.speculation.complete
 
-        def recording(step, emitted, logprobs):
+        def recording(scheduler, step, emitted, logprobs):
             runs.extend(zip(step.sampling, emitted))
-            return complete(step, emitted, logprobs)
-        llm.scheduler._complete_verified = recording
+            return complete(scheduler, step, emitted, logprobs)
+        llm.scheduler.speculation.complete = recording
         got = llm.generate(doubled, params, use_tqdm=False)
     mid_run = sum(1 for seq, run in runs if seq.stop_reason in run[:-1] and seq.token_ids[-1] == seq.stop_reason)
     assert mid_run > 0, "no stop token fell inside an accepted run: the test tests nothing"
@@ -221,7 +221,7 @@ def test_speculation_backs_off_on_unpredictable_text_and_stays_on_for_repetitive
         return stats["spec_num_draft_tokens"] / len(out["token_ids"]), stats
     adaptive, adaptive_stats = drafts_per_token(sampled, prompt)
     with monkeypatch.context() as m:
-        m.setattr(scheduler_module, "draft_limit", lambda k, *args: k)
+        m.setattr(speculation_module, "draft_limit", lambda k, *args, **kwargs: k)
         always, always_stats = drafts_per_token(sampled, prompt)
     print(f"unpredictable: {always:.2f} draft tokens per output token always, {adaptive:.2f} adaptive "
           f"(acceptance {always_stats['spec_num_accepted_tokens'] / always_stats['spec_num_draft_tokens']:.2f})")

@@ -13,10 +13,10 @@ import jinja2.meta
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from nanovllm.config import Config, check_draft_tokenizer
+from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
-from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.model_runner import SampledTokens, build_runner
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.workers import Workers
@@ -66,6 +66,12 @@ class InFlightStep:
     deferred: tuple | None = None  # (DeferredSampling, SamplingInputs)
 
 
+class SpecCounts:
+    """stats()' speculative counts without speculative decoding (speculative/policy.py's SpecStats: with)."""
+    num_drafts = num_draft_tokens = num_accepted_tokens = 0
+    accepted_per_position = ()
+
+
 class PromptTooLong(ValueError):
     """A prompt that leaves no room to generate within max_model_len."""
 
@@ -84,14 +90,14 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         if config.draft_hf_config is not None:  # its token ids must mean the target's text
-            check_draft_tokenizer(self.tokenizer, load_tokenizer(config.speculative.model), config.hf_config.vocab_size,
-                                  config.draft_hf_config.vocab_size, config.speculative.model)
+            config.speculative.check_tokenizer(self.tokenizer, load_tokenizer(config.speculative.model),
+                                               config.hf_config.vocab_size, config.draft_hf_config.vocab_size)
         eos = config.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = eos
         workers = Workers(config) if config.tensor_parallel_size > 1 else None
-        self.model_runner = ModelRunner(config, workers.group if workers is not None else None, workers)
+        self.model_runner = build_runner(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, eos)
@@ -305,8 +311,7 @@ class LLMEngine:
         """End seq now (finish_reason "abort"); its samples not queued yet end with it."""
         if not seq.is_finished:
             ended = [seq, *seq.forks]
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq, "abort")
             self._notify(ended)
 
     # ---- running ------------------------------------------------------------------------------
@@ -410,9 +415,7 @@ class LLMEngine:
             seq.text += seq.detokenizer.update([token], final=seq.is_finished and not later)
             if (later or not ended_by_token) and self._ends_at_stop_string(seq, seen, later):
                 if later:
-                    del seq.token_ids[-later:]
-                    if seq.logprobs is not None:
-                        del seq.logprobs[-later:]
+                    seq.truncate(later)
                 return
 
     def _ends_at_stop_string(self, seq: Sequence, seen: int, later: int) -> bool:
@@ -427,9 +430,10 @@ class LLMEngine:
             return False
         i, stop = min(hits)
         seq.text = seq.text[:i + len(stop) if params.include_stop_str_in_output else i]
-        if not seq.is_finished:
-            self.scheduler.finish(seq)
-        seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.is_finished:  # (a speculative step's run ended it, by length: the stop string counts)
+            seq.finish("stop", stop, seq.finish_time)
+        else:
+            self.scheduler.finish(seq, "stop", stop)
         return True
 
     def is_finished(self) -> bool:
@@ -587,7 +591,8 @@ class LLMEngine:
         tokens served by the prefix cache, speculative decoding's drafts and accepted tokens), and
         the host tier's (kv_offloading_size): its blocks, the prompt tokens each tier was asked
         for and served, and rank 0's copies (bytes each way, seconds the copies took)."""
-        spec, bm = self.scheduler.spec_stats, self.block_manager
+        bm, speculation = self.block_manager, self.scheduler.speculation
+        spec = speculation.stats if speculation is not None else SpecCounts()
         device_hits = bm.num_cached_tokens - bm.num_host_hit_tokens
         copies = self.model_runner.copy_stats
         return {"num_blocks": self.block_manager.num_blocks,

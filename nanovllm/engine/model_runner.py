@@ -1,6 +1,6 @@
 import logging
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_inputs, graph_batch_sizes, padded_batch_size
-from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
+from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.quantization import quantization_scope
@@ -145,47 +145,12 @@ class SampledTokens:
         self.corrected = rows.tolist()
 
 
-class VerifiedTokens:
-    """A speculative step's result on its way to the host: each sampling sequence's emitted
-    tokens (its accepted drafts, then one more) and their logprobs. The host waits for them at
-    once: its next drafts depend on them (speculative steps do not overlap)."""
-    corrected: tuple = ()  # (as SampledTokens': nothing is ever redrawn here)
-    prompt_logprobs: list | None = None
-    wait_s = 0.0
-
-    def __init__(self, tokens: torch.Tensor, emitted: torch.Tensor, logprobs: tuple | None,
-                 num_logprobs: list[int | None] | None):
-        self.tokens, self.emitted, self.logprobs, self.num_logprobs = tokens, emitted, logprobs, num_logprobs
-
-    def result(self) -> tuple[list[list[int]], list[list[dict]] | None]:
-        start = perf_counter()
-        tokens, counts = self.tokens.tolist(), self.emitted.tolist()
-        self.wait_s = perf_counter() - start
-        emitted = [row[:n] for row, n in zip(tokens, counts)]
-        if self.logprobs is None:
-            return emitted, None
-        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs)
-        dicts = []
-        for i, (run, k) in enumerate(zip(emitted, self.num_logprobs)):
-            entries = []
-            for j, token in enumerate(run):
-                if k is None:
-                    entries.append(None)
-                    continue
-                entry = dict(zip(top_ids[i][j][:k], top_values[i][j][:k])) if k else {}
-                entry[token] = chosen[i][j]
-                entries.append(entry)
-            dicts.append(entries)
-        return emitted, dicts
-
-
 @dataclass
 class DeferredSampling:
     """A step whose forward is launched and whose sampling is not yet (ModelRunner.sample)."""
     batch: StepBatch
     logits: torch.Tensor | None
     inputs: "StepInputs"
-    draft_probs: torch.Tensor | None
 
 
 @dataclass
@@ -213,10 +178,12 @@ class StepInputs:
     prompt_logprobs: list | None = None   # ModelRunner._prompt_logprobs' (rank 0)
 
 
-def draft_model(config: Config, runner: "ModelRunner"):
-    """Speculative decoding's draft model (engine/draft_model.py: a layer, loaded when one is asked for)."""
-    from nanovllm.engine.draft_model import DraftModel
-    return DraftModel(config, runner)
+def build_runner(config: Config, group: TPGroup | None = None, workers=None) -> "ModelRunner":
+    """The model runner of this configuration: with speculative decoding, the one of its layer."""
+    if config.speculative is not None:
+        from nanovllm.speculative.runner import SpeculativeRunner  # (speculation's layer: loaded when asked for)
+        return SpeculativeRunner(config, group, workers)
+    return ModelRunner(config, group, workers)
 
 
 class ModelRunner:
@@ -248,6 +215,13 @@ class ModelRunner:
             raise
 
     def _build(self, config: Config):
+        self._load(config)
+        self.num_kv_blocks = self._allocate_kv_cache()
+        self.num_host_blocks = self._allocate_host_cache()
+        self._capture(config)
+
+    def _load(self, config: Config):
+        """The device, the model with its weights and attention backend, the sampler, the tables."""
         if config.device == "cuda":
             self.device = torch.device("cuda", self.rank)
             torch.cuda.set_device(self.device)
@@ -281,16 +255,10 @@ class ModelRunner:
         # The CUDA-graph ladder, eager steps included: a decode step records the size it pads to
         # (Context.padded_batch), from which attention sizes its split-KV the same in both paths.
         self.graph_sizes = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
-        # speculative decoding's draft model: on rank 0 alone (engine/draft_model.py)
-        self.drafter = draft_model(config, self) if config.draft_hf_config is not None and self.rank == 0 else None
-        self.num_kv_blocks = self._allocate_kv_cache()
-        self.num_host_blocks = self._allocate_host_cache()
+
+    def _capture(self, config: Config):
+        """The decode steps' CUDA graphs, once the KV cache is bound."""
         self.graphs = self._capture_graphs() if self.use_graphs else None
-        # speculative decode steps (a last token and up to k drafts per sequence) have their own
-        self.verify_graphs = (self._capture_graphs(query_len=1 + config.speculative.num_speculative_tokens)
-                              if self.use_graphs and config.speculative is not None else None)
-        if self.drafter is not None and self.use_graphs:
-            self.drafter.graphs = self.drafter.capture_graphs(show_progress=True)
 
     def _capture_graphs(self, largest_only: bool = False, query_len: int = 1) -> DecodeGraphs:
         max_batch = self.graph_sizes[-1]
@@ -301,9 +269,8 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block, the draft model's part included (its cache has the same blocks)."""
-        own = kv_block_bytes(self.attention_layers, self.block_size, self.config.kv_dtype)
-        return own + (self.drafter.kv_block_bytes() if self.drafter is not None else 0)
+        """Bytes of one KV block (of every layer, K and V)."""
+        return kv_block_bytes(self.attention_layers, self.block_size, self.config.kv_dtype)
 
     def _num_kv_blocks(self) -> int:
         config = self.config
@@ -334,16 +301,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         self._bind_kv_cache(self.config.max_blocks_per_seq)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        graphs = [self._capture_graphs(largest_only=True)]
-        if self.config.speculative is not None:
-            graphs.append(self._capture_graphs(True, 1 + self.config.speculative.num_speculative_tokens))
-        if self.drafter is not None:
-            graphs.append(self.drafter.capture_graphs(largest_only=True))
+        graphs = self._probe_graphs()
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         del graphs
         self._bind_kv_cache(None)
         torch.cuda.empty_cache()
         return int(used * GRAPH_MEMORY_MARGIN)
+
+    def _probe_graphs(self) -> list[DecodeGraphs]:
+        """The largest graph of each ladder the runner will capture (_graph_memory)."""
+        return [self._capture_graphs(largest_only=True)]
 
     def _allocate_kv_cache(self) -> int:
         config = self.config
@@ -368,8 +335,6 @@ class ModelRunner:
         self.kv_cache = None  # (the old one is freed before the new one is allocated)
         self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.config.kv_dtype,
                                       self.device)
-        if self.drafter is not None:
-            self.drafter.bind_kv_cache(num_blocks)
         if num_blocks is not None:
             self.block_tables[self.scratch_row] = num_blocks
 
@@ -537,28 +502,23 @@ class ModelRunner:
             self.recorder.device_step_started()
         try:
             self._copy_blocks(batch)
-            draft_probs = None
-            if self.drafter is not None:  # it drafts into the token table first, and writes the step's tables
-                draft_probs = self.drafter.propose(batch, sampling)
-                batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
-                if batch.num_drafts is not None and self.group is not None:
-                    self._share_drafts(batch)
-            logits, inputs = self._run(batch, self.model, self.graphs, self.verify_graphs)
+            forward = self._forward(batch, sampling)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
-        if defer_sampling:
-            return DeferredSampling(batch, logits, inputs, draft_probs)
-        return self.sample(DeferredSampling(batch, logits, inputs, draft_probs), sampling)
+        return forward if defer_sampling else self.sample(forward, sampling)
+
+    def _forward(self, batch: StepBatch, sampling: SamplingInputs) -> "DeferredSampling":
+        """The step's forward through the model (rank 0), its sampling not queued yet."""
+        logits, inputs = self.run(batch, self.model, self.graphs)
+        return DeferredSampling(batch, logits, inputs)
 
     @torch.inference_mode()
     def sample(self, step: "DeferredSampling", sampling: SamplingInputs) -> SampledTokens:
         """Queue a launched step's sampling (rank 0), after its forward."""
         batch, logits, inputs = step.batch, step.logits, step.inputs
         out = SampledTokens()
-        if logits is not None and batch.num_drafts is not None:
-            out = self._verify(batch, logits, sampling, step.draft_probs)
-        elif logits is not None:
+        if logits is not None:
             tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
             self._keep_sampled(tokens, inputs)
             out = SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
@@ -571,26 +531,15 @@ class ModelRunner:
     def execute(self, batch: StepBatch):
         """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
         self._copy_blocks(batch)
-        if batch.num_drafts is not None and not batch.draft_tokens:  # rank 0's draft model drafted them
-            self.prepare(replace(batch, rows=batch.rows[:0]), None)  # (this step's table writes first)
-            batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
-            self._share_drafts(batch)
-        _, inputs = self._run(batch, self.model, self.graphs, self.verify_graphs)
-        if not batch.samples.any():
-            return
-        num_sampled = int(batch.samples.sum())
-        if batch.num_drafts is not None:  # rank 0's _verify(): each sequence's next token, where it goes
-            rows = to_device(batch.rows[batch.samples].astype(np.int64), self.device)
-            self._keep_verified(torch.empty(2, num_sampled, dtype=torch.int64, device=self.device), rows)
-        else:  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
-            self._keep_sampled(torch.empty(num_sampled, dtype=torch.int64, device=self.device), inputs)
+        _, inputs = self.run(batch, self.model, self.graphs)
+        if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
+            self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)
 
-    def _run(self, batch: StepBatch, model, graphs: DecodeGraphs | None,
-             verify_graphs: DecodeGraphs | None = None) -> tuple[torch.Tensor | None, StepInputs | None]:
+    def run(self, batch: StepBatch, model, graphs: DecodeGraphs | None) -> tuple[torch.Tensor | None, StepInputs | None]:
         """The forward of a step through model (the target, or the draft model with its graphs),
         and its logits on rank 0 when a sequence samples (else None). A step of no sequences (only
         table writes, and the host tier's copies before them) runs nothing: (None, None)."""
-        inputs = self.prepare(batch, graphs, verify_graphs)
+        inputs = self.prepare(batch, graphs)
         if inputs is None:
             return None, None
         with forward_context(inputs.context):
@@ -628,14 +577,6 @@ class ModelRunner:
                 results.append((i, start + 1, *(torch.cat(p) if p[0] is not None else None for p in zip(*parts))))
         return results if self.rank == 0 else None
 
-    def _share_drafts(self, batch: StepBatch):
-        """Tensor parallelism with a draft model: rank 0 broadcasts the drafts it wrote into its
-        token table, and the other ranks write them into theirs."""
-        rows, positions = (to_device(a, self.device) for a in draft_slots(batch))
-        drafts = self.token_table[rows, positions].long()
-        self.group.broadcast(drafts)
-        self.token_table[rows, positions] = drafts.int()
-
     def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
         """Write the step's sampled tokens ([S], on the device) into the token table, each after
         the last token of its row's chunk: the next step reads its input ids there. With tensor
@@ -648,70 +589,12 @@ class ModelRunner:
             rows, positions = rows[last], positions[last]
         self.token_table[rows, positions + 1] = tokens.to(torch.int32)
 
-    def _verify(self, batch: StepBatch, logits: torch.Tensor, sampling: SamplingInputs,
-                draft_probs: torch.Tensor | None) -> "VerifiedTokens":
-        """A speculative step's sampling (rank 0): the rejection sampler over the logits of each
-        sampling sequence's drafts and the position after them (sampling has one entry per such
-        row); the token after each one's accepted drafts goes into the token table. The drafts
-        are the host's (n-gram: batch.draft_tokens) or the draft model's, in the token table
-        already, with their distributions draft_probs (None when every row is greedy)."""
-        drafts = batch.num_drafts[batch.samples].astype(np.int64)                   # [S]
-        counts = drafts + 1
-        firsts = np.cumsum(counts) - counts                                          # [S] each one's first row
-        parts = {}
-        if batch.draft_tokens:
-            draft_ids = np.zeros((len(drafts), max(1, int(drafts.max()))), dtype=np.int64)
-            pending = iter(batch.draft_tokens)  # (in step order, as are the sequences that drafted)
-            for i in np.flatnonzero(drafts):
-                draft_ids[i, :drafts[i]] = next(pending)[2]
-            parts["drafts"] = draft_ids.ravel()
-        greedy_rows = (sampling.temperatures[firsts] == 0 if sampling.temperatures is not None
-                       else np.ones(len(drafts), dtype=bool))
-        seeds = sampling.seeds[firsts] if sampling.seeds is not None else np.zeros(len(drafts), dtype=np.int64)
-        d = self.upload({**parts, "lengths": drafts, "greedy": greedy_rows.astype(np.int64), "seeds": seeds,
-                         "positions": sampling.positions[firsts], "firsts": firsts,
-                         "rows": batch.rows[batch.samples].astype(np.int64)})
-        if batch.draft_tokens:
-            draft_ids = d["drafts"].view(len(drafts), -1)
-        else:  # the draft model's, from the token table (columns past a sequence's drafts are ignored)
-            columns = d["positions"][:, None] + torch.arange(int(drafts.max()), device=self.device)
-            draft_ids = self.token_table[d["rows"][:, None], columns.clamp_(max=self.config.max_model_len - 1)].long()
-        from nanovllm.layers.rejection_sampler import target_probs, verify  # (speculation's: loaded with it)
-        sbatch = self.sampling_batch(sampling, logits.shape[-1])
-        probs, argmax = target_probs(logits, sbatch)
-        tokens, emitted = verify(probs, argmax, d["greedy"].bool(), draft_ids, d["lengths"],
-                                 draft_probs if probs is not None else None, d["seeds"], d["positions"])
-        ends = (batch.starts + batch.num_new)[batch.samples].astype(np.int64)       # [S] (all drafts accepted)
-        accepted = emitted - 1
-        where = torch.stack([tokens.gather(1, accepted[:, None])[:, 0], to_device(ends, self.device) - d["lengths"]
-                             + accepted])
-        self._keep_verified(where, d["rows"])
-        logprobs = None
-        if sbatch.num_logprobs is not None:  # of each emitted token, at the row that decided it
-            raw = torch.log_softmax(logits.float(), -1)
-            rows = (d["firsts"][:, None] + torch.arange(tokens.shape[1], device=self.device)).clamp_(max=len(raw) - 1)
-            top = raw.topk(sbatch.num_logprobs, -1) if sbatch.num_logprobs > 0 else None
-            logprobs = (raw[rows, tokens], top.values[rows] if top else None, top.indices[rows] if top else None)
-        return VerifiedTokens(tokens, emitted, logprobs, [sampling.num_logprobs[f] for f in firsts]
-                              if sampling.num_logprobs is not None else None)
-
-    def _keep_verified(self, where: torch.Tensor, rows: torch.Tensor):
-        """Write each sampling sequence's next token (where [2, S]: tokens, positions) into the
-        token table (rank 0 broadcasts them to the other ranks first). Accepted drafts are there
-        already; rejected ones are overwritten when their positions are computed again. rows
-        [S]: the sequences' rows."""
-        if self.group is not None:
-            self.group.broadcast(where)
-        self.token_table[rows, where[1]] = where[0].to(torch.int32)
-
-    def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None,
-                verify_graphs: DecodeGraphs | None = None) -> StepInputs | None:
+    def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None) -> StepInputs | None:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
         attention metadata; write the step's block-table entries and new rows' tokens on the way.
-        Everything goes to the device in one copy. graphs, verify_graphs: the CUDA graphs it may
-        replay (those of the model it runs through), for decode and speculative decode steps. A
-        batch of no sequences only writes the tables (None)."""
-        layout = self._layout(batch, graphs, verify_graphs) if batch.num_seqs else None
+        Everything goes to the device in one copy. graphs: the decode CUDA graphs it may replay
+        (those of the model it runs through). A batch of no sequences only writes the tables (None)."""
+        layout = self._layout(batch, graphs) if batch.num_seqs else None
         d = self.upload({**(layout.parts if layout else {}), **self._table_writes(batch)})
         if "block_ids" in d:
             self.block_tables[d["block_rows"], d["block_cols"]] = d["block_ids"].int()
@@ -727,8 +610,7 @@ class ModelRunner:
         return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size, layout.graphs,
                           d.get("num_new"))
 
-    def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None, verify_graphs: DecodeGraphs | None
-                ) -> "StepLayout":
+    def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None) -> "StepLayout":
         """The host's part of prepare(): the row and position of every new token, and the
         per-sequence arrays attention needs."""
         num_seqs = batch.num_seqs
@@ -750,39 +632,30 @@ class ModelRunner:
             positions = np.concatenate([positions, np.zeros(graph_size - num_seqs, dtype=np.int64)])
         lens_k = starts + num_new                                                    # [B]
         parts = {"rows": rows, "positions": positions, "cu_q": cu_q, "lens_k": lens_k}
-        if (verify_graphs is not None and batch.num_drafts is not None and num_seqs <= verify_graphs.max_batch
-                and batch.samples.all() and (num_new == batch.num_drafts + 1).all()):  # speculative decodes only
-            graph_size, replayed = padded_batch_size(num_seqs, verify_graphs.sizes), verify_graphs
-            pad, q = graph_size - num_seqs, verify_graphs.query_len
-            parts["rows"] = np.concatenate([batch.rows, np.full(pad, self.scratch_row)])
-            parts["positions"] = np.concatenate([lens_k - 1, np.full(pad, q - 1)])    # each one's last token
-            parts["num_new"] = np.concatenate([num_new, np.zeros(pad, dtype=np.int64)])
-            # its tokens are the last num_new of its q rows (padded at the front), all sampling
-            parts["logits_indices"] = expand_runs(self.arange[:num_seqs] * q + q - num_new, num_new)
         all_sample = decode_only and batch.samples.all()  # (then the logits rows are 0..B-1)
-        if not all_sample and "logits_indices" not in parts:
-            last = (cu_q[1:] - 1)[batch.samples]
-            if batch.num_drafts is not None:  # a sequence with d drafts: logits at its last d + 1 tokens
-                counts = batch.num_drafts[batch.samples].astype(np.int64) + 1
-                parts["logits_indices"] = expand_runs(last - counts + 1, counts)
-            else:
-                parts["logits_indices"] = last
+        if not all_sample:
+            parts["logits_indices"] = (cu_q[1:] - 1)[batch.samples]
         if not decode_only:
             parts["step_rows"] = batch.rows
             parts["cu_k"] = np.concatenate([[0], np.cumsum(lens_k)])
         return StepLayout(parts, cu_q, lens_k, decode_only, all_sample, graph_size, replayed)
 
-    @staticmethod
-    def _table_writes(batch: StepBatch) -> dict[str, np.ndarray]:
+    def _table_writes(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The step's writes into the block tables and the token table, as flat (row, column, value)."""
         parts = {}
         if batch.new_blocks:
             parts["block_rows"], parts["block_cols"], parts["block_ids"] = flatten_writes(batch.new_blocks)
-        if batch.new_tokens or batch.fixed_tokens or batch.draft_tokens:
-            parts["token_rows"], parts["token_cols"], parts["token_ids"] = flatten_writes(
-                [(row, 0, tokens) for row, tokens in batch.new_tokens]
-                + [(row, position, [token]) for row, position, token in batch.fixed_tokens] + batch.draft_tokens)
+        token_writes = self._token_writes(batch)
+        if token_writes:
+            parts["token_rows"], parts["token_cols"], parts["token_ids"] = flatten_writes(token_writes)
         return parts
+
+    @staticmethod
+    def _token_writes(batch: StepBatch) -> list[tuple[int, int, list[int]]]:
+        """(row, position, tokens) segments the step writes into the token table: new rows' tokens
+        and the sampler's redrawn ones (Redo)."""
+        return ([(row, 0, tokens) for row, tokens in batch.new_tokens]
+                + [(row, position, [token]) for row, position, token in batch.fixed_tokens])
 
     def _context(self, batch: StepBatch, layout: "StepLayout", d: dict[str, torch.Tensor]) -> Context:
         """The attention metadata of the step (slot_mapping is the caller's)."""

@@ -9,10 +9,8 @@ import numpy as np
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import BatchState, SamplingInputs
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.ngram_proposer import NgramProposer, TokenBuffer
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.spec_decode import ACCEPTANCE_MEMORY, SpecStats, draft_limit
-from nanovllm.engine.step_batch import StepBatch, expand_runs
+from nanovllm.engine.step_batch import StepBatch
 
 FINISHED = SequenceStatus.FINISHED
 logger = logging.getLogger(__name__)
@@ -45,13 +43,19 @@ class ScheduledStep:
     filled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens) with blocks to publish
     fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (row, position, token): see correct()
     undone: set[Sequence] = field(default_factory=set)  # sequences whose token here correct() dropped
-    num_drafts: list[int] = field(default_factory=list)  # per sequence: its draft tokens (speculative decoding)
-    num_draft_tokens: int = 0                             # their sum: > 0 in a speculative step
+    drafts: dict[int, int] = field(default_factory=dict)  # speculative decoding: {index in the step: its drafts}
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
     constrained: bool = False  # some sequence has a grammar (structured outputs): complete() feeds it
     offloads: np.ndarray | None = None  # the host tier's copies before the forward (see StepBatch)
     reloads: np.ndarray | None = None
+
+    def add_drafts(self, row: int, position: int, num_drafts: int, draft_ids: list[int] | None):
+        """The sequence about to join the step verifies num_drafts drafts from position (their ids
+        when the host proposed them; else the draft model draws them in the step)."""
+        self.drafts[len(self.seqs)] = num_drafts
+        if draft_ids is not None:
+            self.draft_tokens.append((row, position, draft_ids))
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
@@ -60,8 +64,10 @@ class ScheduledStep:
         batch = StepBatch(np.fromiter(self.rows, np.int32, num_seqs), np.fromiter(self.starts, np.int32, num_seqs),
                           np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
                           self.fixed_tokens)
-        if self.num_draft_tokens:
-            batch.num_drafts, batch.draft_tokens = np.array(self.num_drafts, dtype=np.int32), self.draft_tokens
+        if self.drafts:  # (speculative decoding: each sequence's drafts, verified in the step)
+            batch.num_drafts = np.zeros(num_seqs, dtype=np.int32)
+            batch.num_drafts[list(self.drafts)] = list(self.drafts.values())
+            batch.draft_tokens = self.draft_tokens
         batch.prompt_logprobs = self.prompt_logprobs
         batch.offloads, batch.reloads = self.offloads, self.reloads
         return batch
@@ -76,8 +82,8 @@ class Scheduler:
     prefilled in chunks over several steps. When a running sequence needs a block and none is
     free, the most recently admitted running sequence is preempted: its blocks are freed and it
     returns to the front of the waiting queue, to be recomputed (its cached blocks may revive).
-    With speculative decoding a decoding sequence may also run its draft tokens (_drafts), all
-    of them verified in the step; complete() then takes back the ones the target rejected.
+    With speculative decoding (its hook, `speculation`) a decoding sequence may also run draft
+    tokens, all of them verified in the step; the hook's complete() takes back the rejected ones.
     """
 
     def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
@@ -95,13 +101,10 @@ class Scheduler:
         # partial block is recomputed); "recompute": they stay cached until reused
         self.swap_on_preemption = config.preemption_mode == "swap"
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
-        spec = config.speculative
-        self.speculative = spec is not None
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
-        # n-gram drafts are proposed here, on the host; a draft model's on the device, in the step
-        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                      spec.prompt_lookup_max) if spec is not None and spec.method == "ngram" else None
-        self.spec_stats = SpecStats(spec.num_speculative_tokens if spec is not None else 0)
+        self.speculation = None  # speculative decoding's hook (speculative/scheduling.py), when asked for
+        if config.speculative is not None:
+            from nanovllm.speculative.scheduling import Speculation  # (speculation's layer: loaded when asked for)
+            self.speculation = Speculation(config)
 
     def add(self, seq: Sequence):
         """Queue a request: its first sample, with the other samples riding on it (its forks)."""
@@ -133,7 +136,7 @@ class Scheduler:
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
         if self.num_preemptions == num_preemptions:
-            self._schedule(step, self._admit_waiting(step, budget), budget, draft=False)
+            self._schedule(step, self._admit_waiting(step, budget), budget, propose=False)
         if not step.seqs:
             return None
         # Publish the blocks this step fills with tokens the host knows, after admission: a
@@ -147,19 +150,20 @@ class Scheduler:
         step.offloads, step.reloads = self.block_manager.take_copies()
         return step
 
-    def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, draft: bool = True) -> int:
+    def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, propose: bool = True) -> int:
         """Put running sequences in the step, in order, while the token budget lasts: one token
         each when decoding, the next chunk of an unfinished prefill otherwise. A sequence that
         needs a block when none is free preempts the most recently admitted ones (itself, when
         it is that one). Returns the budget left. (The one pass over every sequence of a step:
-        its appends are bound once.) draft: decoding sequences may draft (speculative decoding);
-        not those admitted in this step, which have their blocks already and must not grow: a
-        growth would preempt from the end of `running`, where they are."""
+        its appends are bound once.) propose: decoding sequences may draft (the speculation
+        hook); not those admitted in this step, which have their blocks already and must not
+        grow: a growth would preempt from the end of `running`, where they are."""
         add_seq, add_num_new, add_row, add_start, add_samples, add_sampling, add_filled = (
             step.seqs.append, step.num_new.append, step.rows.append, step.starts.append, step.samples.append,
             step.sampling.append, step.filled.append)
         block_size = self.block_size
         constrained = self.batch_state.num_constrained > 0
+        drafts_of = self.speculation.propose if self.speculation is not None and propose else None
         for seq in seqs:  # (preemption pops from the end of `running`: the loop then ends sooner)
             if budget <= 0:
                 break
@@ -168,33 +172,28 @@ class Scheduler:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
             if constrained and seq.matcher is not None:
                 step.constrained = True  # (its mask waits for its token: LLMEngine._launch)
-            num_drafts, draft_ids = (self._drafts(seq) if draft and self.speculative and num_tokens - start == 1
-                                     else (0, None))
-            if num_drafts and 1 + num_drafts > budget:
-                break  # it waits for the next step (see _drafts); the first of a step always fits
+            num_drafts = 0
+            if drafts_of is not None and num_tokens - start == 1:  # a decode may draft (speculative decoding)
+                num_drafts, draft_ids = drafts_of(seq, len(self.running))
+                if 1 + num_drafts > budget:
+                    break  # it waits for the next step (see Speculation.propose); the first of a step always fits
             n = num_tokens - start + num_drafts if num_tokens - start < budget else budget
             end = start + n
             if end > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
                 break  # it was preempted itself, the last running
             budget -= n
-            seq.num_computed_tokens = end
+            if num_drafts:
+                step.add_drafts(seq.row, num_tokens, num_drafts, draft_ids)
+                num_tokens = end  # (as if every draft is accepted: the hook's complete() takes back the rest)
+            samples = end == num_tokens  # it samples: that token is in flight until complete() reads it
+            seq.advance(end, samples)
             add_seq(seq)
             add_num_new(n)
             add_row(seq.row)
             add_start(start)
-            if self.speculative:
-                step.num_drafts.append(num_drafts)
-                if num_drafts:
-                    step.num_draft_tokens += num_drafts
-                    if draft_ids is not None:
-                        step.draft_tokens.append((seq.row, num_tokens, draft_ids))
-                    num_tokens = end  # (as if every draft is accepted: complete() takes back the rejected ones)
-            if end == num_tokens:  # it samples: that token is in flight until complete() reads it
-                seq.num_tokens = end + 1
-                add_samples(True)
+            add_samples(samples)
+            if samples:
                 add_sampling(seq)
-            else:
-                add_samples(False)
             # Blocks filled by tokens the host knows can be published (whoever reads them runs after
             # this step). A decode's new token is known a step later: its block is published then.
             known = len(seq.token_ids)
@@ -217,29 +216,6 @@ class Scheduler:
         if last > first:
             step.prompt_logprobs.append((len(step.seqs) - 1, first - start, last - first,
                                          seq.sampling_params.prompt_logprobs))
-
-    def _drafts(self, seq: Sequence) -> tuple[int, list[int] | None]:
-        """How many draft tokens a decoding sequence whose tokens the host knows verifies, and
-        their ids when the host proposes them (n-gram; None: the draft model draws them in the
-        step). As many as the policy allows (draft_limit) and the n-gram proposer finds, at most
-        so many that its accepted drafts and the token after them stay within its token limit
-        (max_tokens, max_model_len), and that it fits in a step's budget. Never fewer for lack of
-        budget in this step (it waits for the next one instead), so its drafts, and a seeded
-        request's tokens, do not depend on what shares its step."""
-        if seq.num_tokens != len(seq.token_ids) or seq.matcher is not None:
-            return 0, None  # (its last token is in flight; a grammar's masks follow one token at a time)
-        fixed_cost = seq.sampling_params.seed is not None
-        limit = draft_limit(self.num_speculative_tokens, seq.spec_acceptance, seq.spec_steps_since_draft,
-                            len(self.running), fixed_cost)
-        room = max(0, min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1))
-        drafts = None
-        if self.proposer is not None:
-            if seq.token_buffer is None:
-                seq.token_buffer = TokenBuffer()
-            drafts = self.proposer.propose(seq.token_buffer.view(seq.token_ids), max_len=room) if room else []
-            room = len(drafts)
-        seq.spec_steps_since_draft = 0 if room else seq.spec_steps_since_draft + 1
-        return room, drafts
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while
@@ -267,10 +243,7 @@ class Scheduler:
             if num_cached is None:
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
-            if not seq.admitted:
-                seq.num_cached_tokens, seq.admitted = num_cached, True
-            seq.status = SequenceStatus.RUNNING
+            seq.admit(num_cached)
             self.running.append(seq)
             self.batch_state.take_row(seq)
             step.new_blocks.append((seq.row, 0, list(seq.block_table)))
@@ -289,8 +262,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence):
         self.block_manager.free_blocks(seq, swap=self.swap_on_preemption)
         self.batch_state.free_row(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.evict()
         self.waiting.appendleft(seq)  # victims are popped newest first, so admission order survives
         self.num_preemptions += 1
 
@@ -301,59 +273,28 @@ class Scheduler:
         rows, seqs = batch.rows, step.sampling
         if len(step.sampling) != len(step.seqs):
             rows, ends = rows[batch.samples], ends[batch.samples]
-        if batch.num_drafts is not None:
-            counts = batch.num_drafts[batch.samples].astype(np.int64) + 1
-            ends = expand_runs(ends - counts + 1, counts)
-            rows, seqs = np.repeat(rows, counts), [seq for seq, c in zip(seqs, counts.tolist()) for _ in range(c)]
+        if batch.num_drafts is not None:  # (speculative decoding: a row per draft too)
+            rows, ends, seqs = self.speculation.sampling_rows(batch, rows, ends, seqs)
         return self.batch_state.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), seqs)
 
     # ---- accounting for a step ----------------------------------------------------------------
-    def complete(self, step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None = None
-                 ) -> list[Sequence]:
+    def complete(self, step: ScheduledStep, tokens: list, logprobs: list | None = None) -> list[Sequence]:
         """Account for a launched step whose sampled tokens are in (one per sampling sequence, in
         order; `logprobs` their logprob dicts): append them, and finish the sequences that stop.
-        Returns the sequences that got a token."""
-        if step.num_draft_tokens:
-            return self._complete_verified(step, tokens, logprobs)
+        Returns the sequences that got a token. (A speculative step's tokens are runs, one per
+        sequence: the speculation hook accounts for them.)"""
+        if step.drafts:
+            return self.speculation.complete(self, step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
-        self._append(seqs, tokens, logprobs)
+        self.append_tokens(seqs, tokens, logprobs)
         if step.constrained:  # (the step's own flag: a sequence preempted since still gets its token)
-            self._advance_grammars(seqs, tokens)
-        self._finish_stopped(seqs, tokens, step.constrained)
+            self.advance_grammars(seqs, tokens)
+        constrained = step.constrained
+        self.finish_stopped([(seq, reasons) for seq, token in zip(seqs, tokens)
+                             if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
+                                 or (constrained and seq.matcher is not None and seq.matcher.is_terminated()))
+                             and (reasons := self.stop_reasons(seq, token)) is not None])
         return seqs
-
-    def _complete_verified(self, step: ScheduledStep, emitted: list[list[int]],
-                           logprobs: list[list[dict]] | None) -> list[Sequence]:
-        """complete() for a speculative step (run synchronously: nothing was in flight beside it):
-        each sampling sequence emits its accepted drafts and the token after them (emitted[i]).
-        The rejected drafts are taken back: num_computed_tokens and num_tokens drop by their count
-        (their K/V slots are simply written again later). Tokens are appended one at a time, so a
-        sequence that stops inside the run ends there, and the rest of the run is dropped."""
-        drafts = [d for d, samples in zip(step.num_drafts, step.samples) if samples]
-        stopped = []
-        for i, (seq, tokens) in enumerate(zip(step.sampling, emitted)):
-            rejected = drafts[i] - (len(tokens) - 1)
-            seq.num_computed_tokens -= rejected
-            seq.num_tokens -= rejected
-            if drafts[i]:
-                self.spec_stats.count(drafts[i], len(tokens) - 1)
-                seq.spec_draft_tokens += drafts[i]
-                seq.spec_accepted_tokens += len(tokens) - 1
-                seq.spec_acceptance = (ACCEPTANCE_MEMORY * seq.spec_acceptance
-                                       + (1 - ACCEPTANCE_MEMORY) * (len(tokens) - 1) / drafts[i])
-            for j, token in enumerate(tokens):
-                self._append([seq], [token], [logprobs[i][j]] if logprobs is not None else None)
-                if seq.matcher is not None:  # (a constrained sequence drafts nothing: one token here)
-                    self._advance_grammars([seq], [token])
-                if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
-                        or (seq.matcher is not None and seq.matcher.is_terminated())) and self._stops(seq, token):
-                    stopped.append(seq)
-                    break
-        for seq in stopped:
-            self._release(seq)
-        if stopped:
-            self.running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
-        return step.sampling
 
     def correct(self, step: ScheduledStep, indices: list[int], tokens: list[int], in_flight: ScheduledStep | None):
         """The sampler redrew these sampling rows of `step` (Redo) after writing their first draw
@@ -368,8 +309,8 @@ class Scheduler:
             position = step.starts[j] + step.num_new[j]
             self.token_fixes.append((seq, position, tokens[i]))
             if in_flight is not None and seq in in_flight.seqs:  # it decoded `position` from the first draw
-                seq.num_computed_tokens = position
-                seq.num_tokens -= 1
+                assert seq.num_computed_tokens == position + 1
+                seq.rollback(1)
                 in_flight.undone.add(seq)
 
     @staticmethod
@@ -385,21 +326,19 @@ class Scheduler:
                 [logprobs[i] for i in keep] if logprobs is not None else None)
 
     @staticmethod
-    def _append(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None):
+    def append_tokens(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None):
         now = perf_counter()
         for seq, token in zip(seqs, tokens):
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
+            seq.append(token, now)
         if logprobs is not None:
             for seq, entry in zip(seqs, logprobs):
                 if seq.logprobs is not None:
                     seq.logprobs.append(entry)
 
     @staticmethod
-    def _advance_grammars(seqs: list[Sequence], tokens: list[int]):
+    def advance_grammars(seqs: list[Sequence], tokens: list[int]):
         """Feed each constrained sequence's new token to its grammar (its mask allowed it); one
-        whose grammar is complete and took its stop token ends (_stops). A token the grammar
+        whose grammar is complete and took its stop token ends (stops). A token the grammar
         refuses all the same was drawn from a row with no token left (the grammar's mask and the
         request's allowed_token_ids have none in common): that sequence alone ends, with
         finish_reason "error"."""
@@ -409,54 +348,46 @@ class Scheduler:
                                "with finish_reason 'error'", seq.seq_id, token)
                 seq.matcher = REFUSED
 
-    def _finish_stopped(self, seqs: list[Sequence], tokens: list[int], constrained: bool):
-        """Finish the sequences that sampled a stop token or reached their length limit, or (in a
-        step with constrained sequences) whose grammar is complete."""
-        stopped = [seq for seq, token in zip(seqs, tokens)
-                   if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
-                       or (constrained and seq.matcher is not None and seq.matcher.is_terminated()))
-                   and self._stops(seq, token)]
-        for seq in stopped:
-            if seq.status is SequenceStatus.WAITING:  # preempted while its last token was in flight
-                self.waiting.remove(seq)
-            self._release(seq)
-        if stopped:  # they leave `running` in one pass
-            self.running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
-
     @staticmethod
-    def _stops(seq: Sequence, token: int) -> bool:
-        """Whether seq, having just appended token, ends; sets its finish and stop reasons."""
+    def stop_reasons(seq: Sequence, token: int) -> tuple[str, int | None] | None:
+        """Whether seq, having just appended token, ends, and why: (finish_reason, stop_reason)
+        for a stop token (once min_tokens are in), its grammar complete (it took its stop token,
+        or refused one: "error"), or its length limit; None: it goes on."""
         params = seq.sampling_params
         if token in seq.stop_ids and seq.num_completion_tokens >= params.min_tokens:
-            seq.finish_reason = "stop"
-            seq.stop_reason = token if token in params.stop_token_ids else None  # (EOS: None)
-            return True
-        if seq.matcher is not None and seq.matcher.is_terminated():  # its grammar took its stop token
-            seq.finish_reason, seq.stop_reason = "error" if seq.matcher is REFUSED else "stop", None
-            return True
+            return "stop", token if token in params.stop_token_ids else None  # (EOS: None)
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "error" if seq.matcher is REFUSED else "stop", None
         if len(seq.token_ids) >= seq.token_limit:
-            seq.finish_reason = "length"
-            return True
-        return False
+            return "length", None
+        return None
+
+    def finish_stopped(self, stopped: list[tuple[Sequence, tuple]]):
+        """Finish each (sequence, stop_reasons()) and release it (one preempted while its last
+        token was in flight waits: it leaves the queue); they leave `running` in one pass."""
+        for seq, reasons in stopped:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            self._release(seq, *reasons)
+        if stopped:
+            self.running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
 
     # ---- finishing ----------------------------------------------------------------------------
-    def finish(self, seq: Sequence):
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End a sequence wherever it is (used to abort a request, and for a stop string)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:  # (a fork may not be queued yet)
             self.waiting.remove(seq)
-        self._release(seq)
+        self._release(seq, reason, stop_reason)
 
-    def _release(self, seq: Sequence):
-        """seq is finished: its blocks and row go back, and its samples not queued yet end with it."""
-        now = perf_counter()
-        for fork in seq.forks:
-            fork.status, fork.finish_reason, fork.finish_time = SequenceStatus.FINISHED, seq.finish_reason, now
-        seq.forks = []
+    def _release(self, seq: Sequence, reason: str, stop_reason: int | str | None):
+        """seq ends, for reason: its blocks and row go back, and its samples not queued yet end with it."""
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.free_blocks(seq)
             self.batch_state.free_row(seq)
-            seq.num_computed_tokens = 0  # (its K/V are gone with its blocks)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_time = now
+        now = perf_counter()
+        seq.finish(reason, stop_reason, now)
+        for fork in seq.forks:
+            fork.finish(seq.finish_reason, None, now)
+        seq.forks = []

@@ -14,7 +14,7 @@ class SequenceStatus(Enum):
 class Sequence:
     """One sample of a request: its tokens, its KV blocks, where it stands, and its output so far.
 
-    Where it stands, in tokens (plain attributes; the scheduler writes them, except where noted):
+    Where it stands, in tokens:
       token_ids            the tokens the host knows: the prompt, then the completion so far
       num_tokens           len(token_ids) plus the tokens sampled on the device whose ids have not
                            reached the host yet (overlap scheduling: one, while a step is in flight)
@@ -24,7 +24,8 @@ class Sequence:
                            max_model_len)
     A step computes positions num_computed_tokens .. num_computed_tokens + n - 1 of it, and samples
     a token exactly when that brings num_computed_tokens up to num_tokens (the end of its prefill,
-    or any decode step).
+    or any decode step). These, its status and its finish reason change only in the methods below
+    (admit, advance, rollback, append, truncate, evict, finish): grep finds every write.
 
     While running it holds a `row` of the batch (engine/batch_state.py): the row of its tokens in
     the device's token table, of its block table on every rank, and of its sampling parameters.
@@ -35,9 +36,7 @@ class Sequence:
                  "num_prompt_tokens", "num_tokens", "num_computed_tokens", "token_limit", "row", "block_table",
                  "block_hashes", "num_cached_tokens", "admitted", "stop_ids", "forks", "finish_reason",
                  "stop_reason", "logprobs", "detokenizer", "text", "num_emitted_tokens", "num_emitted_chars",
-                 "inbox", "arrival_time", "first_token_time", "finish_time", "spec_draft_tokens",
-                 "spec_accepted_tokens", "spec_acceptance", "spec_steps_since_draft", "token_buffer", "matcher",
-                 "prompt_logprobs")
+                 "inbox", "arrival_time", "first_token_time", "finish_time", "spec", "matcher", "prompt_logprobs")
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, seed: int, index: int = 0,
                  sample_index: int = 0):
@@ -68,10 +67,7 @@ class Sequence:
         self.arrival_time = perf_counter()     # perf_counter() seconds
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.spec_draft_tokens = self.spec_accepted_tokens = 0  # speculative decoding: its drafts, and those accepted
-        self.spec_acceptance = 1.0             # their recent acceptance rate (Scheduler's; optimistic at first)
-        self.spec_steps_since_draft = 0        # decode steps since it last drafted (adaptive speculation)
-        self.token_buffer = None               # its tokens as numpy, for the n-gram proposer (Scheduler._drafts)
+        self.spec = None                       # speculative decoding's state of it (speculative/scheduling.py)
         self.matcher = None                    # structured outputs: its grammar's state (the engine's, at creation)
         # per prompt token, its logprob dict (None for the first); the first sample's alone
         self.prompt_logprobs = [None] if sampling_params.prompt_logprobs is not None and sample_index == 0 else None
@@ -99,7 +95,57 @@ class Sequence:
                 tpot = (self.finish_time - self.first_token_time) / (self.num_completion_tokens - 1)
         return {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
                 "finish_time": self.finish_time, "ttft_s": ttft, "tpot_s": tpot,
-                "spec_num_draft_tokens": self.spec_draft_tokens, "spec_num_accepted_tokens": self.spec_accepted_tokens}
+                "spec_num_draft_tokens": self.spec.draft_tokens if self.spec is not None else 0,
+                "spec_num_accepted_tokens": self.spec.accepted_tokens if self.spec is not None else 0}
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    # ---- the writes ---------------------------------------------------------------------------
+    def admit(self, num_cached: int):
+        """It runs, with its first num_cached tokens served by the prefix cache (the count of its
+        first admission is the one it reports)."""
+        self.status = SequenceStatus.RUNNING
+        self.num_computed_tokens = num_cached
+        if not self.admitted:
+            self.num_cached_tokens, self.admitted = num_cached, True
+
+    def advance(self, end: int, samples: bool):
+        """A step computes its positions up to end; if it samples, the token drawn there is in
+        flight (counted in num_tokens) until append() brings its id."""
+        self.num_computed_tokens = end
+        if samples:
+            self.num_tokens = end + 1
+
+    def rollback(self, num: int):
+        """Take back its last num positions, computed and counted but not kept (drafts the target
+        rejected; a token drawn again): their K/V slots are simply written again later."""
+        self.num_computed_tokens -= num
+        self.num_tokens -= num
+
+    def append(self, token: int, now: float):
+        """The id of a token it sampled reached the host."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def truncate(self, num: int):
+        """Drop its last num tokens (made after the stop string that ended it)."""
+        del self.token_ids[-num:]
+        if self.logprobs is not None:
+            del self.logprobs[-num:]
+
+    def evict(self):
+        """Preempted: its blocks are gone, and it waits to be computed again."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def finish(self, reason: str, stop_reason: int | str | None, now: float):
+        """It ends, for reason ("stop", "length", "abort", "error"); a second call (a stop string
+        found in the text a speculative step finished with) changes the reasons alone. Its blocks
+        are gone (or going: the scheduler frees them)."""
+        self.status = SequenceStatus.FINISHED
+        self.num_computed_tokens = 0
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        if self.finish_time is None:
+            self.finish_time = now

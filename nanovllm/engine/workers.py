@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import build_runner
 from nanovllm.utils.parallel import TPGroup
 
 STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
@@ -28,7 +28,7 @@ def _worker_main(config: Config, rank: int, store_port: int, conn):
                           timeout=STORE_TIMEOUT)
     conn.send("started")
     group = TPGroup(store, rank, config.tensor_parallel_size, config.device)
-    runner = ModelRunner(config, group)
+    runner = build_runner(config, group)
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())

@@ -19,8 +19,6 @@ distribution q is kept for the rejection sampler. The drafts go into the token t
 target's forward reads them; with tensor parallelism the draft model runs on rank 0 alone,
 unsharded, and rank 0 broadcasts its drafts (ModelRunner._share_drafts).
 """
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -30,15 +28,12 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.quantization import QuantizationConfig, quantization_scope
-from nanovllm.layers.rejection_sampler import DRAFT_SALT, target_probs
+from nanovllm.speculative.rejection_sampler import DRAFT_SALT, target_probs
 from nanovllm.layers.sampler import sample_from, uniform_per_row
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import default_dtype_and_device
 from nanovllm.utils.loader import load_dummy, load_model
 from nanovllm.utils.parallel import tensor_parallel
-
-if TYPE_CHECKING:
-    from nanovllm.engine.model_runner import ModelRunner
 
 
 class ClampedInputs(torch.nn.Module):
@@ -58,13 +53,14 @@ class ClampedInputs(torch.nn.Module):
 
 
 class DraftModel:
-    """The draft model, its KV cache and CUDA graphs; propose() runs its part of a step."""
+    """The draft model, its KV cache and CUDA graphs; propose() runs its part of a step through
+    the model runner it is given (the runner holds the draft model, not the other way round)."""
 
-    def __init__(self, config: Config, runner: "ModelRunner"):
-        self.config, self.runner = config, runner
+    def __init__(self, config: Config, device: torch.device, backend):
+        self.config, self.device = config, device
         hf_config = config.draft_hf_config
         # (unsharded; quantized as its own config.json says, if it does)
-        with default_dtype_and_device(config.dtype, runner.device), tensor_parallel(None), \
+        with default_dtype_and_device(config.dtype, device), tensor_parallel(None), \
                 quantization_scope(QuantizationConfig.resolve(None, hf_config)):
             self.model = resolve_model_class(hf_config, config.max_model_len)(hf_config, config.max_model_len)
         if config.load_format == "dummy":
@@ -75,7 +71,7 @@ class DraftModel:
             self.model = ClampedInputs(self.model, hf_config.vocab_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
-            layer.backend = runner.attention_layers[0].backend
+            layer.backend = backend  # (the target's)
         self.vocab_size = config.hf_config.vocab_size  # the target's: q is over its token ids
         self.kv_cache = None
         self.graphs: DecodeGraphs | None = None
@@ -87,21 +83,26 @@ class DraftModel:
         """Its cache of the runner's num_blocks blocks, in the target's KV dtype (None: unbind and free it)."""
         self.kv_cache = None
         self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.config.block_size, self.config.kv_dtype,
-                                      self.runner.device)
+                                      self.device)
 
-    def capture_graphs(self, largest_only: bool = False, show_progress: bool = False) -> DecodeGraphs:
-        r = self.runner
-        max_batch = r.graph_sizes[-1]
-        return DecodeGraphs(self.model, r.token_table, r.block_tables, r.block_size, r.scratch_row, max_batch,
-                            self.config.max_model_len, self.config.draft_hf_config.hidden_size, self.config.dtype,
-                            sizes=[max_batch] if largest_only else None, show_progress=show_progress)
+    def capture_graphs(self, runner, largest_only: bool = False, show_progress: bool = False) -> DecodeGraphs:
+        """Its decode CUDA graphs over the runner's tables, kept (largest_only: the probe of their
+        memory, returned and not kept)."""
+        max_batch = runner.graph_sizes[-1]
+        graphs = DecodeGraphs(self.model, runner.token_table, runner.block_tables, runner.block_size,
+                              runner.scratch_row, max_batch, self.config.max_model_len,
+                              self.config.draft_hf_config.hidden_size, self.config.dtype,
+                              sizes=[max_batch] if largest_only else None, show_progress=show_progress)
+        if not largest_only:
+            self.graphs = graphs
+        return graphs
 
-    def propose(self, batch: StepBatch, sampling: SamplingInputs) -> torch.Tensor | None:
+    def propose(self, runner, batch: StepBatch, sampling: SamplingInputs) -> torch.Tensor | None:
         """Run the draft model's part of the step (every step: its cache must keep up), writing the
         step's tables first and each draft into the token table. Returns q [R, V] for the rejection
         sampler (R: the step's sampling rows, row j of a drafting sequence the distribution its
         draft j + 1 was drawn from), or None: no drafts, or every row greedy."""
-        run = self.runner._run
+        run = runner.run
         num_drafts = batch.num_drafts
         if num_drafts is None:  # (a step without drafts: the draft model computes its tokens too)
             run(StepBatch(batch.rows, batch.starts, batch.num_new, np.zeros(batch.num_seqs, dtype=bool),
@@ -117,19 +118,19 @@ class DraftModel:
         rows, last, counts = batch.rows[drafting], batch.starts[drafting].astype(np.int64), num_drafts[drafting]
         q = None
         if sampling.needs & Need.RANDOM:
-            q = torch.zeros(int((per_sample + 1).sum()), self.vocab_size, device=self.runner.device)
+            q = torch.zeros(int((per_sample + 1).sum()), self.vocab_size, device=self.device)
         for j in range(1, int(counts.max()) + 1):
             drawing = counts >= j  # (the same sequences as the logits' rows, in order)
-            d = self.runner.upload({"rows": rows[drawing], "positions": last[drawing] + j,
+            d = runner.upload({"rows": rows[drawing], "positions": last[drawing] + j,
                                     "target_rows": first_rows[drawing] + j - 1})
-            tokens = self._draw(logits, sampling, first_rows[drawing] + j - 1, d["target_rows"], q)
-            self.runner.token_table[d["rows"], d["positions"]] = tokens.to(torch.int32)
+            tokens = self._draw(runner, logits, sampling, first_rows[drawing] + j - 1, d["target_rows"], q)
+            runner.token_table[d["rows"], d["positions"]] = tokens.to(torch.int32)
             step = StepBatch(rows[drawing], (last[drawing] + j).astype(np.int32),
                              np.ones(int(drawing.sum()), dtype=np.int32), counts[drawing] > j)
             logits, _ = run(step, self.model, self.graphs)
         return q
 
-    def _draw(self, logits: torch.Tensor, sampling: SamplingInputs, target_rows: np.ndarray,
+    def _draw(self, runner, logits: torch.Tensor, sampling: SamplingInputs, target_rows: np.ndarray,
               target_rows_d: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         """One draft per logits row, drawn with the sampling inputs of the target rows that will
         verify it (target_rows; target_rows_d, the same on the device); its distribution goes
@@ -139,7 +140,7 @@ class DraftModel:
         if logits.shape[1] < vocab:  # (a draft whose embedding table is padded less: q is 0 past it)
             logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[1]), value=float("-inf"))
         inputs = sampling.select(target_rows)
-        sbatch = self.runner.sampling_batch(inputs, vocab)
+        sbatch = runner.sampling_batch(inputs, vocab)
         probs, argmax = target_probs(logits, sbatch)
         if probs is None:
             return argmax

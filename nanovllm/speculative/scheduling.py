@@ -1,0 +1,94 @@
+"""Speculation, the scheduler's hook for speculative decoding: which drafts a decoding sequence
+verifies in a step (propose), the sampling rows those drafts add (sampling_rows), and the
+accounting of a verified step (complete): each sequence keeps its accepted drafts and the token
+after them, and rolls back the rest (Sequence.rollback)."""
+import numpy as np
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_batch import StepBatch, expand_runs
+from nanovllm.speculative.ngram import NgramProposer, TokenBuffer
+from nanovllm.speculative.policy import ACCEPTANCE_MEMORY, SpecStats, draft_limit
+
+
+class SpecState:
+    """What speculation keeps of one sequence (Sequence.spec)."""
+    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance", "steps_since_draft", "buffer")
+
+    def __init__(self):
+        self.draft_tokens = self.accepted_tokens = 0  # its drafts verified, and those accepted
+        self.acceptance = 1.0                         # their recent acceptance rate (optimistic at first)
+        self.steps_since_draft = 0                    # decode steps since it last drafted (draft_limit)
+        self.buffer = None                            # its tokens as numpy, for the n-gram proposer
+
+
+class Speculation:
+    def __init__(self, config):
+        spec = config.speculative
+        self.k = spec.num_speculative_tokens
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # n-gram drafts are proposed here, on the host; a draft model's on the device, in the step
+        self.proposer = (NgramProposer(self.k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                         if spec.method == "ngram" else None)
+        self.stats = SpecStats(self.k)
+
+    def propose(self, seq: Sequence, num_running: int) -> tuple[int, list[int] | None]:
+        """How many draft tokens a decoding sequence verifies this step, and their ids when the
+        host proposes them (n-gram; None: the draft model draws them in the step). As many as the
+        policy allows (draft_limit) and the n-gram proposer finds, at most so many that its
+        accepted drafts and the token after them stay within its token limit (max_tokens,
+        max_model_len), and that it fits in a step's budget. Never fewer for lack of budget in
+        this step (the scheduler holds it for the next one instead), so its drafts, and a seeded
+        request's tokens, do not depend on what shares its step."""
+        if seq.num_tokens != len(seq.token_ids) or seq.matcher is not None:
+            return 0, None  # (its last token is in flight; a grammar's masks follow one token at a time)
+        state = seq.spec
+        if state is None:
+            state = seq.spec = SpecState()
+        limit = draft_limit(self.k, state.acceptance, state.steps_since_draft, num_running,
+                            fixed_cost=seq.sampling_params.seed is not None)
+        room = max(0, min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1))
+        drafts = None
+        if self.proposer is not None:
+            if state.buffer is None:
+                state.buffer = TokenBuffer()
+            drafts = self.proposer.propose(state.buffer.view(seq.token_ids), max_len=room) if room else []
+            room = len(drafts)
+        state.steps_since_draft = 0 if room else state.steps_since_draft + 1
+        return room, drafts
+
+    @staticmethod
+    def sampling_rows(batch: StepBatch, rows: np.ndarray, ends: np.ndarray, seqs: list[Sequence]):
+        """A sequence with d drafts samples d + 1 rows: one per draft it verifies, and the one
+        after. rows, ends (the position each samples), seqs: one per sampling sequence, expanded."""
+        counts = batch.num_drafts[batch.samples].astype(np.int64) + 1
+        ends = expand_runs(ends - counts + 1, counts)
+        return np.repeat(rows, counts), ends, [seq for seq, c in zip(seqs, counts.tolist()) for _ in range(c)]
+
+    def complete(self, scheduler, step, emitted: list[list[int]], logprobs: list[list[dict]] | None
+                 ) -> list[Sequence]:
+        """Scheduler.complete() for a speculative step (run synchronously: nothing was in flight
+        beside it): each sampling sequence emits its accepted drafts and the token after them
+        (emitted[i]), and takes back its rejected drafts. Tokens are appended one at a time, so a
+        sequence that stops inside the run ends there, and the rest of the run is dropped."""
+        drafts = [step.drafts.get(i, 0) for i, samples in enumerate(step.samples) if samples]
+        stopped = []
+        for i, (seq, tokens) in enumerate(zip(step.sampling, emitted)):
+            seq.rollback(drafts[i] - (len(tokens) - 1))
+            if drafts[i]:
+                self._count(seq.spec, drafts[i], len(tokens) - 1)
+            for j, token in enumerate(tokens):
+                scheduler.append_tokens([seq], [token], [logprobs[i][j]] if logprobs is not None else None)
+                if seq.matcher is not None:  # (a constrained sequence drafts nothing: one token here)
+                    scheduler.advance_grammars([seq], [token])
+                reasons = scheduler.stop_reasons(seq, token)
+                if reasons is not None:
+                    stopped.append((seq, reasons))
+                    break
+        scheduler.finish_stopped(stopped)
+        return step.sampling
+
+    def _count(self, state: SpecState, num_drafted: int, num_accepted: int):
+        self.stats.count(num_drafted, num_accepted)
+        state.draft_tokens += num_drafted
+        state.accepted_tokens += num_accepted
+        state.acceptance = ACCEPTANCE_MEMORY * state.acceptance + (1 - ACCEPTANCE_MEMORY) * num_accepted / num_drafted
