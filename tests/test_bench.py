@@ -115,3 +115,34 @@ def test_bench_server_faults_runs_and_reports_its_figures(capsys):
     for words in ("SIGTERM under load to exit", "longest stream gap during a 0.5 MiB prompt",
                   "over target: stream_gap_s"):
         assert words in out
+
+
+def _bench_host():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_host
+    return bench_host
+
+
+HOST_SMOKE = ["--num-seqs", "8", "--steps", "6", "--prompt-lens", "20", "40", "--equal-prompt-len", "16",
+              "--block-sizes", "16"]
+
+
+def test_bench_host_runs_both_modes(capsys):
+    """scripts/bench_host.py's default run (no upstream checkout): a figure per mode and workload."""
+    results = _bench_host().main(HOST_SMOKE)
+    assert set(results) == {"ours"} and len(results["ours"]) == 4
+    assert {k[0] for k in results["ours"]} == {"stub", "real"} and all(v[0] > 0 for v in results["ours"].values())
+    assert "ours/upstream" not in capsys.readouterr().out
+
+
+def test_bench_host_compares_with_upstream(capsys):
+    """--upstream: both sides, each in its own interpreter (set NANOVLLM_UPSTREAM to a checkout of
+    github.com/GeeeekExplorer/nano-vllm to run it)."""
+    import pytest
+    upstream = os.environ.get("NANOVLLM_UPSTREAM")
+    if not upstream:
+        pytest.skip("no upstream nano-vllm checkout (NANOVLLM_UPSTREAM)")
+    results = _bench_host().main(HOST_SMOKE + ["--modes", "stub", "--threads", "1", "--upstream", upstream])
+    assert set(results) == {"ours", "upstream"} and results["ours"].keys() == results["upstream"].keys()
+    assert all(v[0] > 0 for side in results.values() for v in side.values())
+    assert "ours/upstream" in capsys.readouterr().out
