@@ -3,15 +3,28 @@
 A cached device block (published, no sequence holding it) that is about to be reused for other
 tokens is first copied here (write-back on eviction), so a later request with that prefix reloads
 it instead of recomputing it. Slots are evicted least recently used first. The copies themselves
-are the model runner's (StepBatch.offloads / .reloads); this class only decides where things go.
+are HostCopies' (below), which the model runner runs before each step's forward as the step says
+(StepBatch.offloads / .reloads); HostTier only decides where things go.
 
 A host entry records what its K/V were computed from, as a device block does (block_manager.Block):
 its tokens, the id of its contents (uid) and of its parent's (parent_uid). A hit verifies its
 tokens and that its parent is the contents the lookup matched before it, so a chain of verified
 blocks stands for exactly the prefix's tokens, whatever the hash does.
 """
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from time import perf_counter
+
+import numpy as np
+import torch
+
+from nanovllm.utils.context import to_device
+
+# The copies move through device staging tensors of at most this many bytes at a time (a whole
+# 100k-token prefix reloaded at once would otherwise need as much free device memory as its K/V:
+# 11 GB for Qwen3-0.6B), so they fit in what the KV sizing leaves beside the cache.
+COPY_STAGING_BYTES = 64 << 20
 
 
 @dataclass
@@ -64,3 +77,135 @@ class HostTier:
     @property
     def num_used(self) -> int:
         return len(self.entries)
+
+
+def pinned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor in page-locked memory, so that copies between it and the device are
+    asynchronous DMA. Registered with cudaHostRegister rather than allocated with pin_memory=True:
+    torch's pinned allocator rounds every allocation up to a power of two bytes (a 40 GiB host
+    tier would lock 64 GiB). Unregistered when the tensor is freed."""
+    t = torch.empty(shape, dtype=dtype)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0))
+    weakref.finalize(t, _unregister_host_memory, t.data_ptr()).atexit = False  # (at exit the process goes anyway)
+    return t
+
+
+def _unregister_host_memory(ptr: int):
+    torch.cuda.synchronize()  # (no copy may still be reading or writing it)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first index, first slot, count) of each run of consecutive host slots in slots [n]: each
+    run is one copy. [5, 6, 7, 2] -> [(0, 5, 3), (3, 2, 1)]."""
+    breaks = np.flatnonzero(np.diff(slots.astype(np.int64)) != 1) + 1
+    firsts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(slots)]])
+    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(firsts, ends)]
+
+
+class HostCopies:
+    """The host tier's data on one rank, and the copies a step asks for before its forward.
+
+    Host slots of whole KV blocks, laid out per block, [num_blocks, 2 (K/V), layers, block_size,
+    Hkv, D], so that one block of every layer is one contiguous run of bytes. A block then moves
+    in one copy (or a run of consecutive slots does) instead of 2 * layers small strided ones: the
+    device side is gathered into the same layout first, one kernel for all of a step's blocks.
+    The block manager picks the blocks (StepBatch.offloads / reloads); every rank moves its own
+    shard of them. kv_offloading_size GiB over all ranks: size / tp on each, the same count on
+    every rank (smallest_over_ranks)."""
+
+    def __init__(self, config, kv_cache: torch.Tensor, block_bytes: int, smallest_over_ranks):
+        self.kv_cache, self.device = kv_cache, kv_cache.device  # [2, L, num_blocks + 1, bs, Hkv, D]
+        self.copy_stream, self.events = None, []
+        self.counts = {"offloaded_blocks": 0, "reloaded_blocks": 0, "offloaded_bytes": 0, "reloaded_bytes": 0,
+                       "copy_time_s": 0.0}
+        # (block_bytes: this rank's shard; no draft model: Config refuses it)
+        self.num_blocks = smallest_over_ranks(int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size)
+                                              // block_bytes)
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block: one takes "
+                             f"{block_bytes * config.tensor_parallel_size} bytes over all ranks; raise it, or 0: off")
+        shape = (self.num_blocks, *kv_cache.shape[:2], *kv_cache.shape[3:])
+        if self.device.type == "cuda":
+            self.cache = pinned_host_tensor(shape, config.kv_dtype)
+            self.copy_stream = torch.cuda.Stream(self.device)
+        else:
+            self.cache = torch.empty(shape, dtype=config.kv_dtype)
+
+    def copy(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
+        """A step's copies, on every rank before its forward: offloads [n, 2] (device block, host
+        slot), then reloads [m, 2] (host slot, device block). On CUDA they run on a stream of their
+        own, outside any CUDA graph, and the host does not wait: the copy stream first waits for
+        the compute stream, where earlier steps' forwards (queued, maybe not run yet) write the K/V
+        an offload reads and read the blocks a reload overwrites; the compute stream then waits
+        for the copies before this step's forward. On CPU the same copies run in order, at once."""
+        offloads = offloads if offloads is not None and len(offloads) else None
+        reloads = reloads if reloads is not None and len(reloads) else None
+        if offloads is None and reloads is None:
+            return
+        if self.copy_stream is None:
+            start = perf_counter()
+            self._move_blocks(offloads, reloads)
+            self.counts["copy_time_s"] += perf_counter() - start
+        else:
+            self._collect_copy_times()
+            compute = torch.cuda.current_stream(self.device)
+            self.copy_stream.wait_stream(compute)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.copy_stream):
+                start.record()
+                self._move_blocks(offloads, reloads)
+                end.record()
+            compute.wait_event(end)
+            self.events.append((start, end))
+        block_bytes = self.cache[0].nbytes
+        for name, pairs in (("offloaded", offloads), ("reloaded", reloads)):
+            count = len(pairs) if pairs is not None else 0
+            self.counts[f"{name}_blocks"] += count
+            self.counts[f"{name}_bytes"] += count * block_bytes
+
+    def _move_blocks(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
+        """The copies, on the current stream: one gather of the offloaded blocks on the device,
+        then one copy per run of consecutive slots to the host; then the reverse for the reloads;
+        both in chunks of at most COPY_STAGING_BYTES. The device tensors made here are allocated,
+        used and freed on this one stream, so the caching allocator hands their memory only to
+        work queued after them: they need no keeping alive (nor the pinned index buffers, which
+        to_device's allocator holds until their copies are done)."""
+        blocks = self.kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks + 1, 2, L, bs, Hkv, D] (a view)
+        chunk = max(1, COPY_STAGING_BYTES // self.cache[0].nbytes)  # blocks per staging tensor
+        for part in range(0, len(offloads) if offloads is not None else 0, chunk):
+            pairs = offloads[part:part + chunk]
+            gathered = blocks[to_device(pairs[:, 0].astype(np.int64), self.device)].contiguous()  # [n, 2, L, ...]
+            for first, slot, count in slot_runs(pairs[:, 1]):
+                self.cache[slot:slot + count].copy_(gathered[first:first + count], non_blocking=True)
+        for part in range(0, len(reloads) if reloads is not None else 0, chunk):
+            pairs = reloads[part:part + chunk]
+            staging = torch.empty((len(pairs), *self.cache.shape[1:]), dtype=self.cache.dtype,
+                                  device=self.device)  # [m, 2, L, ...]
+            for first, slot, count in slot_runs(pairs[:, 0]):
+                staging[first:first + count].copy_(self.cache[slot:slot + count], non_blocking=True)
+            blocks[to_device(pairs[:, 1].astype(np.int64), self.device)] = staging
+
+    def stats(self) -> dict:
+        """This rank's copies so far: offloaded_blocks, reloaded_blocks, offloaded_bytes,
+        reloaded_bytes, and copy_time_s (CUDA: the copy stream's time in the copies that have
+        finished by now, read from its events without waiting for the others)."""
+        self._collect_copy_times()
+        return dict(self.counts)
+
+    def _collect_copy_times(self):
+        """Add the device time of the finished copies to copy_time_s (CUDA; no host sync)."""
+        pending = []
+        for start, end in self.events:
+            if end.query():
+                self.counts["copy_time_s"] += start.elapsed_time(end) / 1000
+            else:
+                pending.append((start, end))
+        self.events = pending
+
+    def gather(self, block_ids: list[int], slots: list[int]) -> torch.Tensor:
+        """(Tests) These device blocks and host slots, [2 (device, host), n, 2, L, bs, Hkv, D]."""
+        if self.copy_stream is not None:  # (the host reads the cache: the copies must be done)
+            self.copy_stream.synchronize()
+        device = self.kv_cache.permute(2, 0, 1, 3, 4, 5)[torch.tensor(block_ids, device=self.device)]
+        return torch.stack([device, self.cache[torch.tensor(slots)].to(self.device)])

@@ -16,10 +16,9 @@ from transformers import AutoTokenizer
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
-from nanovllm.engine.model_runner import SampledTokens, build_runner
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.workers import Workers
 from nanovllm.sampling_params import SamplingParams, is_integer
 from nanovllm.utils.logging import configure_logging, format_bytes
 
@@ -66,6 +65,9 @@ class InFlightStep:
     deferred: tuple | None = None  # (DeferredSampling, SamplingInputs)
 
 
+NO_COPIES = {"offloaded_bytes": 0, "reloaded_bytes": 0, "copy_time_s": 0.0}  # stats() without a host tier
+
+
 class SpecCounts:
     """stats()' speculative counts without speculative decoding (speculative/policy.py's SpecStats: with)."""
     num_drafts = num_draft_tokens = num_accepted_tokens = 0
@@ -96,8 +98,15 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = eos
-        workers = Workers(config) if config.tensor_parallel_size > 1 else None
-        self.model_runner = build_runner(config, workers.group if workers is not None else None, workers)
+        runner_class = ModelRunner
+        if config.speculative is not None:  # the runner with the draft model and the verify step
+            from nanovllm.speculative.runner import SpeculativeRunner  # (speculation's layer: loaded when asked for)
+            runner_class = SpeculativeRunner
+        workers = None
+        if config.tensor_parallel_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
+            from nanovllm.engine.workers import Workers  # (tensor parallelism's: loaded when asked for)
+            workers = Workers(config, runner_class)
+        self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, eos)
@@ -130,7 +139,7 @@ class LLMEngine:
         if runner.num_host_blocks:
             logger.info("Host tier of the prefix cache: %d blocks = %d tokens, %s%s (preemption_mode=%s)",
                         runner.num_host_blocks, runner.num_host_blocks * c.block_size,
-                        format_bytes(runner.host_cache.nbytes), per_rank, c.preemption_mode)
+                        format_bytes(runner.host_copies.cache.nbytes), per_rank, c.preemption_mode)
         logger.info("Maximum concurrency for %d tokens per request: %.2fx. CUDA graphs: %s", c.max_model_len,
                     num_tokens / c.max_model_len,
                     f"{len(graphs.sizes)} batch sizes captured in {graphs.capture_s:.1f} s" if graphs else "off")
@@ -336,7 +345,8 @@ class LLMEngine:
             self.scheduler.correct(done.step, done.sampled.corrected, tokens,
                                    self.in_flight.step if self.in_flight is not None else None)
         if done.sampled.prompt_logprobs:
-            self._collect_prompt_logprobs(done)
+            from nanovllm.engine.prompt_logprobs import collect  # (prompt logprobs' layer: loaded when used)
+            collect(done.step.seqs, done.sampled.prompt_logprobs)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         if launched is not None and launched.deferred is not None:  # its masks can be built now
             self._sample_deferred(launched)
@@ -344,21 +354,6 @@ class LLMEngine:
         if self.recorder is not None:
             self.recorder.step_accounted(done, self, tokens)
         return updated
-
-    @staticmethod
-    def _collect_prompt_logprobs(done: InFlightStep):
-        """Append the step's prompt logprobs to their sequences: per prompt token {its id: logprob,
-        and the top k's}. A position collected already (a prompt recomputed after preemption) is
-        skipped."""
-        for i, first, chosen, values, ids in done.sampled.prompt_logprobs:
-            seq = done.step.seqs[i]
-            chosen = chosen.tolist()
-            values, ids = (values.tolist(), ids.tolist()) if values is not None else ([[]] * len(chosen),) * 2
-            for j, logprob in enumerate(chosen):
-                if first + j == len(seq.prompt_logprobs):
-                    entry = dict(zip(ids[j], values[j]))
-                    entry[seq.token_ids[first + j]] = logprob
-                    seq.prompt_logprobs.append(entry)
 
     def _launch(self) -> InFlightStep | None:
         """Schedule a step and start it on the device; None when nothing can be scheduled."""
@@ -594,7 +589,8 @@ class LLMEngine:
         bm, speculation = self.block_manager, self.scheduler.speculation
         spec = speculation.stats if speculation is not None else SpecCounts()
         device_hits = bm.num_cached_tokens - bm.num_host_hit_tokens
-        copies = self.model_runner.copy_stats
+        host_copies = self.model_runner.host_copies
+        copies = host_copies.stats() if host_copies is not None else NO_COPIES
         return {"num_blocks": self.block_manager.num_blocks,
                 "num_free_blocks": self.block_manager.num_free_blocks,
                 "num_running": len(self.scheduler.running), "num_waiting": self.scheduler.num_waiting_samples(),

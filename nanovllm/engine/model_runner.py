@@ -1,5 +1,4 @@
 import logging
-import weakref
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -16,7 +15,7 @@ from nanovllm.layers.backends import get_backend
 from nanovllm.layers.quantization import quantization_scope
 from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
-from nanovllm.utils.context import Context, default_dtype_and_device, forward_context
+from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device
 from nanovllm.utils.loader import load_dummy, load_model
 from nanovllm.utils.parallel import TPGroup, tensor_parallel
 
@@ -28,50 +27,10 @@ CPU_KV_CACHE_BYTES = 2 << 30
 # The decode graphs' memory is measured by capturing the largest one; the ladder's other graphs
 # share its pool but each adds an executable and pool fragments the probe does not see: a margin.
 GRAPH_MEMORY_MARGIN = 1.25
-# Prompt logprobs are computed from this many rows' logits at a time (a [rows, vocab] float32
-# matrix: 1024 x 151,936 is 620 MB), never the whole prompt's.
-PROMPT_LOGPROBS_ROWS = 1024
-# The host tier's copies move through device staging tensors of at most this many bytes at a time
-# (a whole 100k-token prefix reloaded at once would otherwise need as much free device memory as
-# its K/V: 11 GB for Qwen3-0.6B), so they fit in what the KV sizing leaves beside the cache.
-COPY_STAGING_BYTES = 64 << 20
 # A step's inputs travel in one int64 buffer, each part starting at a multiple of this many
 # elements (16 bytes): Triton specializes kernels on whether a pointer is 16-byte aligned, so a
 # part at an odd offset would compile another variant of every kernel that reads it.
 ALIGN = 2
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device; on CUDA through pinned memory, so the copy is asynchronous
-    (the caching host allocator keeps the pinned buffer until the copy is done)."""
-    t = torch.from_numpy(array)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def pinned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty host tensor in page-locked memory, so that copies between it and the device are
-    asynchronous DMA. Registered with cudaHostRegister rather than allocated with pin_memory=True:
-    torch's pinned allocator rounds every allocation up to a power of two bytes (a 40 GiB host
-    tier would lock 64 GiB). Unregistered when the tensor is freed."""
-    t = torch.empty(shape, dtype=dtype)
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 0))
-    weakref.finalize(t, _unregister_host_memory, t.data_ptr()).atexit = False  # (at exit the process goes anyway)
-    return t
-
-
-def _unregister_host_memory(ptr: int):
-    torch.cuda.synchronize()  # (no copy may still be reading or writing it)
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(ptr))
-
-
-def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first index, first slot, count) of each run of consecutive host slots in slots [n]: each
-    run is one copy. [5, 6, 7, 2] -> [(0, 5, 3), (3, 2, 1)]."""
-    breaks = np.flatnonzero(np.diff(slots.astype(np.int64)) != 1) + 1
-    firsts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(slots)]])
-    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(firsts, ends)]
 
 
 def flatten_writes(writes: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,7 +46,7 @@ def flatten_writes(writes: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray
 class SampledTokens:
     """A launched step's sampled tokens (and logprobs) on their way to the host: the copies are
     queued behind the step on the device, into pinned memory, and result() waits for them."""
-    prompt_logprobs: list | None = None  # ModelRunner._prompt_logprobs' (the engine reads them after result())
+    prompt_logprobs: list | None = None  # prompt_logprobs.prompt_logprobs' (the engine reads them after result())
 
     def __init__(self, tokens: torch.Tensor | None = None, logprobs: tuple | None = None,
                  num_logprobs: list[int | None] | None = None, redo: Redo | None = None):
@@ -175,15 +134,7 @@ class StepInputs:
     graph_size: int           # the captured batch size it replays at; 0: eager
     graphs: "DecodeGraphs | None" = None  # ... of these graphs; a replay takes rows, positions (of
     num_new: torch.Tensor | None = None   # each one's last new token, padded) and num_new (speculative)
-    prompt_logprobs: list | None = None   # ModelRunner._prompt_logprobs' (rank 0)
-
-
-def build_runner(config: Config, group: TPGroup | None = None, workers=None) -> "ModelRunner":
-    """The model runner of this configuration: with speculative decoding, the one of its layer."""
-    if config.speculative is not None:
-        from nanovllm.speculative.runner import SpeculativeRunner  # (speculation's layer: loaded when asked for)
-        return SpeculativeRunner(config, group, workers)
-    return ModelRunner(config, group, workers)
+    prompt_logprobs: list | None = None   # prompt_logprobs.prompt_logprobs' (rank 0)
 
 
 class ModelRunner:
@@ -217,7 +168,11 @@ class ModelRunner:
     def _build(self, config: Config):
         self._load(config)
         self.num_kv_blocks = self._allocate_kv_cache()
-        self.num_host_blocks = self._allocate_host_cache()
+        self.host_copies = None  # the host tier's copies (engine/host_tier.py), when kv_offloading_size asks
+        if config.kv_offloading_size:
+            from nanovllm.engine.host_tier import HostCopies  # (the host tier's layer: loaded when asked for)
+            self.host_copies = HostCopies(config, self.kv_cache, self.kv_block_bytes(), self._smallest_over_ranks)
+        self.num_host_blocks = self.host_copies.num_blocks if self.host_copies is not None else 0
         self._capture(config)
 
     def _load(self, config: Config):
@@ -369,123 +324,6 @@ class ModelRunner:
         self.sampler(logits, batch)
         del logits, kept
 
-    # ---- host tier ----------------------------------------------------------------------------
-    # The prefix cache's second tier (kv_offloading_size): host slots of whole KV blocks, laid out
-    # per block, [num_host_blocks, 2 (K/V), layers, block_size, Hkv, D], so that one block of every
-    # layer is one contiguous run of bytes. A block then moves in one copy (or a run of consecutive
-    # slots does) instead of 2 * layers small strided ones: the device side is gathered into the
-    # same layout first, one kernel for all of a step's blocks. The block manager picks the blocks
-    # (StepBatch.offloads / reloads); every rank moves its own shard of them.
-    def _allocate_host_cache(self) -> int:
-        """The host tier's slots (self.host_cache, None when off), and how many there are:
-        kv_offloading_size GiB over all ranks, size / tp on each, the same count on every rank."""
-        self.host_cache, self.copy_stream, self._copy_events = None, None, []
-        self._copy_stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "offloaded_bytes": 0, "reloaded_bytes": 0,
-                            "copy_time_s": 0.0}
-        config = self.config
-        if not config.kv_offloading_size:
-            return 0
-        block_bytes = self.kv_block_bytes()  # (this rank's shard; no draft model: Config refuses it)
-        # (equal shapes give equal counts on every rank; the smallest, to be sure)
-        num_blocks = self._smallest_over_ranks(int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size)
-                                               // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block: one takes "
-                             f"{block_bytes * config.tensor_parallel_size} bytes over all ranks; raise it, or 0: off")
-        shape = (num_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-        if self.device.type == "cuda":
-            self.host_cache = pinned_host_tensor(shape, config.kv_dtype)
-            self.copy_stream = torch.cuda.Stream(self.device)
-        else:
-            self.host_cache = torch.empty(shape, dtype=config.kv_dtype)
-        return num_blocks
-
-    def _copy_blocks(self, batch: StepBatch):
-        """The step's host-tier copies, on every rank before its forward: batch.offloads, then
-        batch.reloads. On CUDA they run on a stream of their own, outside any CUDA graph, and the
-        host does not wait: the copy stream first waits for the compute stream, where earlier
-        steps' forwards (queued, maybe not run yet) write the K/V an offload reads and read the
-        blocks a reload overwrites; the compute stream then waits for the copies before this
-        step's forward. On CPU the same copies run in order, at once."""
-        offloads = batch.offloads if batch.offloads is not None and len(batch.offloads) else None
-        reloads = batch.reloads if batch.reloads is not None and len(batch.reloads) else None
-        if offloads is None and reloads is None:
-            return
-        if self.copy_stream is None:
-            start = perf_counter()
-            self._move_blocks(offloads, reloads)
-            self._copy_stats["copy_time_s"] += perf_counter() - start
-        else:
-            self._collect_copy_times()
-            compute = torch.cuda.current_stream(self.device)
-            self.copy_stream.wait_stream(compute)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self.copy_stream):
-                start.record()
-                self._move_blocks(offloads, reloads)
-                end.record()
-            compute.wait_event(end)
-            self._copy_events.append((start, end))
-        block_bytes = self.host_cache[0].nbytes
-        for name, pairs in (("offloaded", offloads), ("reloaded", reloads)):
-            count = len(pairs) if pairs is not None else 0
-            self._copy_stats[f"{name}_blocks"] += count
-            self._copy_stats[f"{name}_bytes"] += count * block_bytes
-
-    def _move_blocks(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
-        """The copies, on the current stream: offloads [n, 2] (device block, host slot), one gather
-        of the blocks on the device, then one copy per run of consecutive slots to the host; then
-        reloads [m, 2] (host slot, device block), the reverse; both in chunks of at most
-        COPY_STAGING_BYTES. The device tensors made here are
-        allocated, used and freed on this one stream, so the caching allocator hands their memory
-        only to work queued after them: they need no keeping alive (nor the pinned index buffers,
-        which to_device's allocator holds until their copies are done)."""
-        blocks = self.kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks + 1, 2, L, bs, Hkv, D] (a view)
-        chunk = max(1, COPY_STAGING_BYTES // self.host_cache[0].nbytes)  # blocks per staging tensor
-        for part in range(0, len(offloads) if offloads is not None else 0, chunk):
-            pairs = offloads[part:part + chunk]
-            gathered = blocks[to_device(pairs[:, 0].astype(np.int64), self.device)].contiguous()  # [n, 2, L, ...]
-            for first, slot, count in slot_runs(pairs[:, 1]):
-                self.host_cache[slot:slot + count].copy_(gathered[first:first + count], non_blocking=True)
-        for part in range(0, len(reloads) if reloads is not None else 0, chunk):
-            pairs = reloads[part:part + chunk]
-            staging = torch.empty((len(pairs), *self.host_cache.shape[1:]), dtype=self.host_cache.dtype,
-                                  device=self.device)  # [m, 2, L, ...]
-            for first, slot, count in slot_runs(pairs[:, 0]):
-                staging[first:first + count].copy_(self.host_cache[slot:slot + count], non_blocking=True)
-            blocks[to_device(pairs[:, 1].astype(np.int64), self.device)] = staging
-
-    @property
-    def copy_stats(self) -> dict:
-        """This rank's host-tier copies so far: offloaded_blocks, reloaded_blocks, offloaded_bytes,
-        reloaded_bytes, and copy_time_s (CUDA: the copy stream's time in the copies that have
-        finished by now, read from its events without waiting for the others)."""
-        self._collect_copy_times()
-        return dict(self._copy_stats)
-
-    def _collect_copy_times(self):
-        """Add the device time of the finished copies to copy_time_s (CUDA; no host sync)."""
-        pending = []
-        for start, end in self._copy_events:
-            if end.query():
-                self._copy_stats["copy_time_s"] += start.elapsed_time(end) / 1000
-            else:
-                pending.append((start, end))
-        self._copy_events = pending
-
-    def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
-        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a list of a
-        CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank
-        0 has run it too)."""
-        if self.workers is not None:
-            self.workers.call("gather_blocks", block_ids, slots)
-        if self.copy_stream is not None:  # (the host reads host_cache: the copies must be done)
-            self.copy_stream.synchronize()
-        device = self.kv_cache.permute(2, 0, 1, 3, 4, 5)[torch.tensor(block_ids, device=self.device)]
-        both = torch.stack([device, self.host_cache[torch.tensor(slots)].to(self.device)])
-        parts = self.group.gather(both) if self.group is not None else [both]
-        return [p.cpu() for p in parts] if parts is not None else None
-
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, batch: StepBatch, sampling: SamplingInputs, defer_sampling: bool = False
@@ -501,7 +339,8 @@ class ModelRunner:
         if self.recorder is not None:
             self.recorder.device_step_started()
         try:
-            self._copy_blocks(batch)
+            if self.host_copies is not None:  # (first: the forward may read what they bring)
+                self.host_copies.copy(batch.offloads, batch.reloads)
             forward = self._forward(batch, sampling)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
@@ -530,7 +369,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch):
         """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
-        self._copy_blocks(batch)
+        if self.host_copies is not None:
+            self.host_copies.copy(batch.offloads, batch.reloads)
         _, inputs = self.run(batch, self.model, self.graphs)
         if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
             self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)
@@ -548,34 +388,11 @@ class ModelRunner:
             else:
                 hidden = model(inputs.input_ids, inputs.positions)
             logits = model.compute_logits(hidden) if batch.samples.any() else None
-        if batch.prompt_logprobs and model is self.model:
-            inputs.prompt_logprobs = self._prompt_logprobs(hidden, batch, inputs)
+        if batch.prompt_logprobs and model is self.model:  # (an observer of the forward)
+            from nanovllm.engine.prompt_logprobs import prompt_logprobs  # (prompt logprobs' layer: loaded when used)
+            inputs.prompt_logprobs = prompt_logprobs(self.model, self.token_table, hidden, batch, inputs.context,
+                                                     self.rank)
         return logits, inputs
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch, inputs: StepInputs) -> list | None:
-        """The logprobs of the prompt tokens batch.prompt_logprobs asks for: per entry (sequence
-        index, first prompt position, chosen [n], top values [n, k], top ids [n, k]), on rank 0
-        (None on the others, which take part in the LM head's gather). From float32 log_softmax
-        of PROMPT_LOGPROBS_ROWS rows at a time: never a whole [prompt, vocab] matrix at once."""
-        cu_q = inputs.context.cu_seqlens_q_cpu
-        results = []
-        for i, offset, count, k in batch.prompt_logprobs:
-            start = int(batch.starts[i]) + offset                    # the first token whose hidden state is used
-            targets = self.token_table[int(batch.rows[i]), start + 1:start + 1 + count].long()
-            parts = []
-            for c in range(0, count, PROMPT_LOGPROBS_ROWS):
-                rows = slice(cu_q[i] + offset + c, cu_q[i] + offset + min(count, c + PROMPT_LOGPROBS_ROWS))
-                with forward_context(Context()):  # (no logits_indices: every row)
-                    logits = self.model.compute_logits(hidden[rows])
-                if logits is None:  # ranks above 0
-                    continue
-                logprobs = torch.log_softmax(logits.float(), -1)
-                top = logprobs.topk(k, -1) if k else None
-                parts.append((logprobs.gather(1, targets[c:c + len(logprobs), None])[:, 0],
-                              top.values if top else None, top.indices if top else None))
-            if parts:
-                results.append((i, start + 1, *(torch.cat(p) if p[0] is not None else None for p in zip(*parts))))
-        return results if self.rank == 0 else None
 
     def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
         """Write the step's sampled tokens ([S], on the device) into the token table, each after
@@ -745,6 +562,16 @@ class ModelRunner:
         pos = torch.arange(max_length, device=self.device)[None, :]
         seen = self.token_table[rows, :max_length].long().masked_fill_(pos >= lengths[:, None], vocab_size)
         return seen, seen.masked_fill(pos < num_prompt_tokens[:, None], vocab_size)
+
+    def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
+        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a list of a
+        CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank
+        0 has run it too)."""
+        if self.workers is not None:
+            self.workers.call("gather_blocks", block_ids, slots)
+        both = self.host_copies.gather(block_ids, slots)
+        parts = self.group.gather(both) if self.group is not None else [both]
+        return [p.cpu() for p in parts] if parts is not None else None
 
     def close(self):
         """End the worker processes (rank 0); the runner is unusable afterwards."""

@@ -203,19 +203,10 @@ class Scheduler:
                 add_filled((seq, known))
             if seq.forks and end >= seq.num_prompt_tokens:
                 step.forking.append(seq)
-            if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:
-                self._want_prompt_logprobs(step, seq, start, end)
+            if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:  # (an observer of the step)
+                from nanovllm.engine.prompt_logprobs import want  # (prompt logprobs' layer: loaded when used)
+                want(step.prompt_logprobs, len(step.seqs) - 1, seq, start, end)
         return budget
-
-    @staticmethod
-    def _want_prompt_logprobs(step: ScheduledStep, seq: Sequence, start: int, end: int):
-        """The chunk [start, end) of a prompt whose logprobs are asked for: its tokens at p predict
-        the prompt tokens at p + 1, those not collected yet (a recomputed prompt skips them)."""
-        first = max(start, len(seq.prompt_logprobs) - 1)  # (prompt_logprobs[j]: the token at j)
-        last = min(end, seq.num_prompt_tokens - 1)
-        if last > first:
-            step.prompt_logprobs.append((len(step.seqs) - 1, first - start, last - first,
-                                         seq.sampling_params.prompt_logprobs))
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while

@@ -15,20 +15,19 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import build_runner
 from nanovllm.utils.parallel import TPGroup
 
 STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
 JOIN_TIMEOUT_S = 10                     # a worker told to exit gets this long before it is killed
 
 
-def _worker_main(config: Config, rank: int, store_port: int, conn):
+def _worker_main(config: Config, runner_class: type, rank: int, store_port: int, conn):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
                           timeout=STORE_TIMEOUT)
     conn.send("started")
     group = TPGroup(store, rank, config.tensor_parallel_size, config.device)
-    runner = build_runner(config, group)
+    runner = runner_class(config, group)
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -67,7 +66,7 @@ def _died_starting(rank: int, p) -> RuntimeError:
 
 
 class Workers:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, runner_class: type):
         size = config.tensor_parallel_size
         # Port 0: the OS picks a free port; each engine has its own store, so engines never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
@@ -76,7 +75,7 @@ class Workers:
         self.processes, self.conns = [], []
         for rank in range(1, size):
             parent, child = context.Pipe()
-            p = context.Process(target=_worker_main, args=(config, rank, self.store.port, child),
+            p = context.Process(target=_worker_main, args=(config, runner_class, rank, self.store.port, child),
                                 name=f"nanovllm-tp-rank{rank}", daemon=True)
             p.start()
             child.close()

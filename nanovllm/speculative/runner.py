@@ -1,5 +1,5 @@
 """SpeculativeRunner: the model runner of an engine with speculative decoding, built in place of
-ModelRunner (model_runner.build_runner). A step with drafts runs the draft model's part first
+ModelRunner (LLMEngine.__init__). A step with drafts runs the draft model's part first
 (draft_model.py: its drafts into the token table), then the target's forward over every
 sequence's last token and drafts, and the verify step in place of plain sampling: the rejection
 sampler (rejection_sampler.py) keeps each sequence's accepted drafts and draws the token after
@@ -14,7 +14,8 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import SamplingInputs
 from nanovllm.engine.cuda_graphs import DecodeGraphs, padded_batch_size
-from nanovllm.engine.model_runner import DeferredSampling, ModelRunner, StepLayout, to_device
+from nanovllm.engine.model_runner import DeferredSampling, ModelRunner, StepLayout
+from nanovllm.utils.context import to_device
 from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
 from nanovllm.speculative.draft_model import DraftModel
 from nanovllm.speculative.rejection_sampler import target_probs, verify
@@ -117,7 +118,8 @@ class SpeculativeRunner(ModelRunner):
         """Ranks above 0: as ModelRunner's, with rank 0's drafts and verified tokens."""
         if batch.num_drafts is None:
             return super().execute(batch)
-        self._copy_blocks(batch)
+        if self.host_copies is not None:
+            self.host_copies.copy(batch.offloads, batch.reloads)
         if not batch.draft_tokens:  # rank 0's draft model drafted them
             self.prepare(replace(batch, rows=batch.rows[:0]), None)  # (this step's table writes first)
             batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])

@@ -1,6 +1,7 @@
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -71,3 +72,12 @@ def default_dtype_and_device(dtype: torch.dtype, device: str | torch.device):
             yield
     finally:
         torch.set_default_dtype(old_dtype)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device; on CUDA through pinned memory, so the copy is asynchronous
+    (the caching host allocator keeps the pinned buffer until the copy is done)."""
+    t = torch.from_numpy(array)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
