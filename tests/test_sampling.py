@@ -8,8 +8,10 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers import sampler as sampler_module
-from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p,
-                                     filter_candidates, sample_filtered, sample_from, uniform_per_row)
+from nanovllm.layers import logits_processors
+from nanovllm.layers.logits_processors import ProcessorTensors, apply_penalties
+from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_top_k_top_p, filter_candidates,
+                                     sample_filtered, sample_from, uniform_per_row)
 
 # chi-square critical value for 7 degrees of freedom at p = 0.001: a correct sampler fails the
 # test with probability 0.1% for a random seed, and never for the fixed one below.
@@ -177,7 +179,7 @@ def test_penalties_match_direct_computation():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_penalties_see_every_token_before_the_one_sampled(model_dir, async_scheduling):
+def test_penalties_see_every_token_before_the_one_sampled(model_dir, async_scheduling, monkeypatch):
     """The penalties read each sequence's tokens from the device's token table: the prompt
     (prefix-cache hits included, which no step computes), and every completion token, the one
     still in flight under overlap included. Checked against the tokens the host has at the end,
@@ -186,7 +188,7 @@ def test_penalties_see_every_token_before_the_one_sampled(model_dir, async_sched
               async_scheduling=async_scheduling)
     seen_by_step = []  # (the sampling sequences, positions sampled, seen, generated) per penalized step
     inputs_of = llm.scheduler.sampling_inputs
-    penalty_tokens = llm.model_runner._penalty_tokens
+    penalty_tokens = logits_processors.penalty_tokens
     last = {}
 
     def record_inputs(step, batch):
@@ -199,7 +201,7 @@ def test_penalties_see_every_token_before_the_one_sampled(model_dir, async_sched
         seen_by_step.append((last["seqs"], last["positions"], seen.tolist(), generated.tolist()))
         return seen, generated
     llm.scheduler.sampling_inputs = record_inputs
-    llm.model_runner._penalty_tokens = record_penalty_tokens
+    monkeypatch.setattr(logits_processors, "penalty_tokens", record_penalty_tokens)
     shared = list(range(100, 140))
     penalized = SamplingParams(temperature=0.9, seed=1, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4)
     plain = SamplingParams(temperature=0.9, seed=2, max_tokens=20)
@@ -471,8 +473,8 @@ def test_sampler_never_waits_for_the_device(vocab):
     torch.cuda.set_sync_debug_mode("error")
     try:
         batch = SamplingBatch(temperatures=ones, seeds=ints, positions=ints, top_ks=ints + 5, top_ps=ones * 0.9,
-                              min_ps=ones * 0.01, penalties=(seen, seen, ones, ones, ones * 1.1),
-                              banned=(ints, ints), num_logprobs=3)
+                              min_ps=ones * 0.01, num_logprobs=3,
+                              processors=ProcessorTensors(penalties=(seen, seen, ones, ones, ones * 1.1), banned=(ints, ints)))
         Sampler()(logits, batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")

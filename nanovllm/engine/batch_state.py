@@ -9,10 +9,14 @@ than a Python loop over SamplingParams.
 """
 from dataclasses import dataclass
 from enum import IntFlag
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanovllm.layers.logits_processors import ProcessorInputs
 
 
 class Need(IntFlag):
@@ -26,6 +30,7 @@ class Need(IntFlag):
     LOGPROBS = 32
     GRAMMAR = 64     # structured outputs: a mask of the tokens its grammar allows
     BIAS = 128       # logit_bias or allowed_token_ids
+    PROCESSORS = PENALTIES | MIN_TOKENS | GRAMMAR | BIAS  # logits processors (layers/logits_processors.py)
 
 
 def needs_of(params) -> Need:
@@ -48,30 +53,17 @@ class SamplingInputs:
     top_ks: np.ndarray | None = None     # [S] int64 (-1: off), with top_ps
     top_ps: np.ndarray | None = None     # [S] float32
     min_ps: np.ndarray | None = None     # [S] float32
-    penalties: dict[str, np.ndarray] | None = None  # presence, frequency, repetition [S] float32; num_prompt_tokens [S] int64
-    banned: tuple[list[int], list[int]] | None = None  # (sampling row index, token id): stop tokens before min_tokens
     num_logprobs: list[int | None] | None = None  # per row: its SamplingParams.logprobs
-    biases: tuple[list[int], list[int], list[float]] | None = None  # (row index, token id, bias): logit_bias
-    allowed: tuple[list[int], list[int]] | None = None  # (row index, token id): allowed_token_ids
-    matchers: list[tuple[int, object]] | None = None  # (row index, grammar matcher): constrained rows
-    bitmask: tuple[np.ndarray, object] | None = None  # their masks (the engine fills them from matchers)
+    processors: "ProcessorInputs | None" = None  # penalties, min_tokens, logit_bias, grammars (Need.PROCESSORS)
 
     def select(self, indices: np.ndarray) -> "SamplingInputs":
         """The inputs of these rows alone (a draft model draws with them), logprobs left out."""
         def pick(a):
             return a[indices] if a is not None else None
-        new_index = {int(old): new for new, old in enumerate(indices)}
-
-        def remap(entries):  # (row index, ...) lists: those of the rows kept, renumbered
-            if entries is None:
-                return None
-            kept = [(new_index[i], *rest) for i, *rest in zip(*entries) if i in new_index]
-            return tuple(map(list, zip(*kept))) if kept else None
         return SamplingInputs(self.needs & ~Need.LOGPROBS, self.rows[indices], self.positions[indices],
                               pick(self.seeds), pick(self.temperatures), pick(self.top_ks), pick(self.top_ps),
-                              pick(self.min_ps), {k: v[indices] for k, v in self.penalties.items()}
-                              if self.penalties is not None else None, remap(self.banned),
-                              biases=remap(self.biases), allowed=remap(self.allowed))
+                              pick(self.min_ps), processors=self.processors.select(indices)
+                              if self.processors is not None else None)
 
 
 class BatchState:
@@ -128,22 +120,11 @@ class BatchState:
             inputs.top_ks, inputs.top_ps = self.top_k[rows], self.top_p[rows]
         if needs & Need.MIN_P:
             inputs.min_ps = self.min_p[rows]
-        if needs & Need.PENALTIES:
-            inputs.penalties = {"presence": self.presence_penalty[rows], "frequency": self.frequency_penalty[rows],
-                                "repetition": self.repetition_penalty[rows],
-                                "num_prompt_tokens": self.num_prompt_tokens[rows]}
-        if needs & Need.MIN_TOKENS:  # a stop token cannot be drawn before min_tokens
-            early = [i for i, (seq, pos) in enumerate(zip(seqs, positions.tolist()))
-                     if pos - seq.num_prompt_tokens < seq.sampling_params.min_tokens]
-            pairs = [(i, t) for i in early for t in seqs[i].stop_ids]
-            inputs.banned = ([i for i, _ in pairs], [t for _, t in pairs]) if pairs else None
         if needs & Need.LOGPROBS:
             inputs.num_logprobs = [seq.sampling_params.logprobs for seq in seqs]
-        if needs & Need.GRAMMAR:
-            inputs.matchers = [(i, seq.matcher) for i, seq in enumerate(seqs) if seq.matcher is not None]
-        if needs & Need.BIAS:
-            biased = [(i, t, b) for i, seq in enumerate(seqs) for t, b in (seq.sampling_params.logit_bias or {}).items()]
-            allowed = [(i, t) for i, seq in enumerate(seqs) for t in seq.sampling_params.allowed_token_ids or ()]
-            inputs.biases = tuple(map(list, zip(*biased))) if biased else None
-            inputs.allowed = tuple(map(list, zip(*allowed))) if allowed else None
+        if needs & Need.PROCESSORS:
+            from nanovllm.layers.logits_processors import processor_inputs  # (their layer: loaded when used)
+            inputs.processors = processor_inputs(self, rows, positions, seqs, bool(needs & Need.PENALTIES),
+                                                 bool(needs & Need.MIN_TOKENS), bool(needs & Need.GRAMMAR),
+                                                 bool(needs & Need.BIAS))
         return inputs

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.batch_state import Need
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
@@ -362,14 +363,15 @@ class LLMEngine:
             return None
         batch = step.batch()
         sampling = self.scheduler.sampling_inputs(step, batch)
-        if sampling.matchers:  # structured outputs: the tokens each constrained row's grammar allows
+        masked = sampling.processors if sampling.needs & Need.GRAMMAR else None
+        if masked is not None:  # structured outputs: the tokens each constrained row's grammar allows
             if self.overlap and any(step.sampling[i].num_tokens - len(step.sampling[i].token_ids) > 1
-                                    for i, _ in sampling.matchers):  # (no speculation: a row per sequence)
+                                    for i, _ in masked.matchers):  # (no speculation: a row per sequence)
                 # a grammar still waits for the token of the step in flight: sample once it is in
                 # (overlap scheduling; the forward runs meanwhile), as SGLang does
                 return InFlightStep(step, None, (self.model_runner.launch(batch, sampling, defer_sampling=True),
                                                  sampling))
-            sampling.bitmask = self.grammars.fill_bitmask(sampling.matchers)
+            masked.bitmask = self.grammars.fill_bitmask(masked.matchers)
         sampled = self.model_runner.launch(batch, sampling)
         return InFlightStep(step, sampled)
 
@@ -377,9 +379,9 @@ class LLMEngine:
         """Queue a deferred step's sampling, its grammars having taken the tokens before. A
         grammar that ended there (its sequence finished: this step's token is dropped) is skipped."""
         deferred, sampling = launched.deferred
-        live = [(i, m) for i, m in sampling.matchers if not m.is_terminated()]
+        live = [(i, m) for i, m in sampling.processors.matchers if not m.is_terminated()]
         if live:
-            sampling.bitmask = self.grammars.fill_bitmask(live)
+            sampling.processors.bitmask = self.grammars.fill_bitmask(live)
         launched.sampled, launched.deferred = self.model_runner.sample(deferred, sampling), None
 
     def _deliver(self, updated: list[Sequence]):

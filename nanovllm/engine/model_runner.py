@@ -507,45 +507,26 @@ class ModelRunner:
 
     def sampling_batch(self, inputs: SamplingInputs, vocab_size: int) -> SamplingBatch:
         """The step's sampling parameters as device tensors, [S] each: one copy of the int64 ones
-        and one of the float32 ones, holding only what some row of the batch uses."""
+        and one of the float32 ones, holding only what some row of the batch uses (and the logits
+        processors', layers/logits_processors.py, when a row has one)."""
         needs = inputs.needs
         ints, floats = {}, {}
-        if needs & (Need.RANDOM | Need.PENALTIES):  # the noise's position; the penalties' history length
-            ints["positions"] = inputs.positions
-        if needs & Need.RANDOM:
-            ints["seeds"], floats["temperatures"] = inputs.seeds, inputs.temperatures
+        if needs & Need.RANDOM:  # the noise: a function of (seed, position)
+            ints["positions"], ints["seeds"], floats["temperatures"] = inputs.positions, inputs.seeds, inputs.temperatures
         if needs & Need.FILTERS:
             ints["top_ks"], floats["top_ps"] = inputs.top_ks, inputs.top_ps
         if needs & Need.MIN_P:
             floats["min_ps"] = inputs.min_ps
-        if needs & Need.PENALTIES:
-            p = inputs.penalties
-            ints["rows"], ints["num_prompt_tokens"] = inputs.rows, p["num_prompt_tokens"]
-            floats.update(presence=p["presence"], frequency=p["frequency"], repetition=p["repetition"])
-        if inputs.banned is not None:
-            banned = to_device(np.array(inputs.banned, dtype=np.int64), self.device)
         ints, floats = self._stacked(ints, np.int64), self._stacked(floats, np.float32)
         batch = SamplingBatch(temperatures=floats.get("temperatures"), seeds=ints.get("seeds"),
                               positions=ints.get("positions"), top_ks=ints.get("top_ks"), top_ps=floats.get("top_ps"),
                               min_ps=floats.get("min_ps"), all_greedy=not needs & Need.RANDOM)
-        if needs & Need.PENALTIES:
-            seen, generated = self._penalty_tokens(ints["rows"], ints["positions"], ints["num_prompt_tokens"],
-                                                   int(inputs.positions.max()), vocab_size)
-            batch.penalties = (seen, generated, floats["presence"], floats["frequency"], floats["repetition"])
-        if inputs.banned is not None:
-            batch.banned = (banned[0], banned[1])
         if needs & Need.LOGPROBS:
             batch.num_logprobs = max(k for k in inputs.num_logprobs if k is not None)
-        if inputs.bitmask is not None:
-            rows, bitmask = inputs.bitmask
-            batch.bitmask = (to_device(rows, self.device), bitmask)
-        if inputs.biases is not None:
-            rows, ids, biases = inputs.biases
-            indices = to_device(np.array([rows, ids], dtype=np.int64), self.device)
-            batch.biases = (indices[0], indices[1], to_device(np.array(biases, dtype=np.float32), self.device))
-        if inputs.allowed is not None:
-            indices = to_device(np.array(inputs.allowed, dtype=np.int64), self.device)
-            batch.allowed = (indices[0], indices[1])
+        if inputs.processors is not None:
+            from nanovllm.layers.logits_processors import processor_tensors  # (their layer: loaded when used)
+            batch.processors = processor_tensors(inputs.processors, inputs.rows, inputs.positions, self.token_table,
+                                                 vocab_size)
         return batch
 
     def _stacked(self, arrays: dict[str, np.ndarray], dtype) -> dict[str, torch.Tensor]:
@@ -554,24 +535,6 @@ class ModelRunner:
             return {}
         stacked = to_device(np.stack([a.astype(dtype, copy=False) for a in arrays.values()]), self.device)
         return dict(zip(arrays, stacked))
-
-    def _penalty_tokens(self, rows, lengths, num_prompt_tokens, max_length: int, vocab_size: int):
-        """apply_penalties' (seen, generated), [S, max_length] each: the tokens of each sampling
-        row before the one it samples, read from the token table; completion tokens only in
-        `generated`; both padded with vocab_size (a column that exists only in the penalties)."""
-        pos = torch.arange(max_length, device=self.device)[None, :]
-        seen = self.token_table[rows, :max_length].long().masked_fill_(pos >= lengths[:, None], vocab_size)
-        return seen, seen.masked_fill(pos < num_prompt_tokens[:, None], vocab_size)
-
-    def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
-        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a list of a
-        CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank
-        0 has run it too)."""
-        if self.workers is not None:
-            self.workers.call("gather_blocks", block_ids, slots)
-        both = self.host_copies.gather(block_ids, slots)
-        parts = self.group.gather(both) if self.group is not None else [both]
-        return [p.cpu() for p in parts] if parts is not None else None
 
     def close(self):
         """End the worker processes (rank 0); the runner is unusable afterwards."""

@@ -207,26 +207,6 @@ class Redo:
         return rows.tolist()
 
 
-def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties, touching only the logits of tokens that occurred (O(B x L), not O(B x V)).
-
-    seen: [B, L] every prompt and completion token id of each row; generated: [B, L] its
-    completion token ids, one entry per occurrence; both padded with V (the vocabulary size), a
-    column that exists only in here. Per-row penalties [B]. The repetition penalty divides
-    positive logits of seen tokens and multiplies negative ones; then each completion token loses
-    frequency per occurrence and presence once. No host sync: no data-dependent shapes.
-    """
-    num_rows, vocab = logits.shape
-    logits = torch.cat([logits, logits.new_zeros(num_rows, 1)], 1)  # [B, V + 1]: column V absorbs padding
-    rows = torch.arange(num_rows, device=logits.device)[:, None]
-    x = logits[rows, seen]
-    logits[rows, seen] = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])  # duplicates write equal values
-    logits.index_put_((rows.expand_as(generated), generated), -frequency[:, None].expand_as(generated), accumulate=True)
-    logits[rows, generated] = logits[rows, generated] - presence[:, None]  # once per token: duplicates write equal values
-    return logits[:, :vocab]
-
-
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters on the device, [B] each; optional parts are None when no row
@@ -237,36 +217,19 @@ class SamplingBatch:
     top_ks: torch.Tensor | None = None          # int64, <= 0: off
     top_ps: torch.Tensor | None = None
     min_ps: torch.Tensor | None = None
-    penalties: tuple | None = None              # apply_penalties' arguments after the logits
-    banned: tuple | None = None                 # (rows, token ids): logits set to -inf (min_tokens)
     num_logprobs: int | None = None             # top-k log-probabilities to return (max over rows)
-    bitmask: tuple | None = None                # (rows [n], bitmask [n, V / 32] int32): grammar-constrained rows
-    biases: tuple | None = None                 # (rows, token ids, biases) [N] each: logit_bias
-    allowed: tuple | None = None                # (rows, token ids) [N] each: allowed_token_ids (others -inf)
     all_greedy: bool = False                    # no row samples: skip the noise and softmax
+    processors: object | None = None            # logits_processors.ProcessorTensors: penalties, grammars, ...
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The float32 logits with the tokens their grammars forbid (structured outputs) or that
-    allowed_token_ids leaves out at -inf, logit_bias added, the batch's penalties applied and its
-    banned tokens (min_tokens) at -inf: what greedy takes the argmax of, and temperature scales
-    (the rejection sampler's target distribution too). The raw logits are left as they are."""
-    if batch.bitmask is not None:
-        from nanovllm.engine.structured_outputs import apply_bitmask  # (structured outputs' layer, loaded with them)
-        logits = apply_bitmask(logits, *batch.bitmask)
-    if batch.allowed is not None:
-        rows, ids = batch.allowed
-        keep = torch.zeros_like(logits, dtype=torch.bool).index_put_((rows, ids), torch.ones_like(rows, dtype=torch.bool))
-        restricted = torch.zeros(len(logits), dtype=torch.bool, device=logits.device).index_fill_(0, rows, True)
-        logits = logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
-    if batch.biases is not None:
-        rows, ids, biases = batch.biases
-        logits = logits.index_put((rows, ids), biases, accumulate=True)
-    if batch.penalties is not None:
-        logits = apply_penalties(logits, *batch.penalties)
-    if batch.banned is not None:
-        logits = logits.index_put(batch.banned, logits.new_full((), float("-inf")))  # a device fill: no sync
-    return logits
+    """The float32 logits after the batch's logits processors (grammars, allowed_token_ids,
+    logit_bias, penalties, min_tokens: layers/logits_processors.py): what greedy takes the argmax
+    of, and temperature scales (the rejection sampler's target distribution too)."""
+    if batch.processors is None:
+        return logits
+    from nanovllm.layers.logits_processors import apply  # (their layer: loaded with the first row that has one)
+    return apply(logits, batch.processors)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
