@@ -1,5 +1,3 @@
-import functools
-import inspect
 import json
 import logging
 import operator
@@ -8,16 +6,14 @@ import random
 import threading
 from dataclasses import dataclass
 
-import jinja2
-import jinja2.meta
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, completion_text
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -28,13 +24,6 @@ logger = logging.getLogger(__name__)
 FINISHED, STATUS_OF = SequenceStatus.FINISHED, operator.attrgetter("status")
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-@functools.lru_cache(maxsize=4)
-def template_variables(template: str) -> frozenset[str]:
-    """The variables a Jinja chat template reads (those it does not set itself)."""
-    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # (transformers' parser has it)
-    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(template)))
 
 
 def load_tokenizer(path: str):
@@ -111,6 +100,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)
         self.scheduler = Scheduler(config, self.block_manager, eos)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
         # Speculative steps do not overlap: the next step's layout (each sequence's positions, its
@@ -172,34 +162,15 @@ class LLMEngine:
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        """Chat messages ({"role", "content"} dicts) as prompt token ids, through the tokenizer's
-        chat template, with the assistant's turn opened; tools (OpenAI's definitions) go to the
-        template too, which lists them for the model; template_kwargs are more of its variables
-        (vLLM's chat_template_kwargs, such as Qwen3's enable_thinking; check_chat_template_kwargs)."""
-        self.check_chat_template_kwargs(template_kwargs or {})
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                      **(template_kwargs or {}))
-        except Exception as e:  # jinja2's TemplateError, or a template that raises on these messages
-            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+        """Chat messages as prompt token ids (engine/chat_template.py's render_chat)."""
+        from nanovllm.engine.chat_template import render_chat  # (chat's: loaded at the first chat request)
+        text = render_chat(self.tokenizer, self.config.model, messages, tools, template_kwargs)
         return self._encode_text(text, add_special_tokens=False)  # (the template has any BOS already)
 
     def check_chat_template_kwargs(self, template_kwargs: dict):
-        """A ValueError unless the model has a chat template and each key is a variable it reads
-        that nothing else sets (render_chat's own arguments, apply_chat_template's, the special
-        tokens: a key such as `tokenize` would change what rendering returns)."""
-        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
-        if not template or not isinstance(template, str):
-            raise ValueError(f"the model {self.config.model!r} has no chat template (its tokenizer_config.json "
-                             "names none): chat needs one; use completions instead")
-        if not template_kwargs:
-            return
-        settable = template_variables(template) - set(inspect.signature(self.tokenizer.apply_chat_template).parameters)
-        settable -= {"messages", *self.tokenizer.special_tokens_map}
-        for key in template_kwargs:
-            if key not in settable:
-                raise ValueError(f"chat_template_kwargs has {key!r}, which is not a variable of this model's chat "
-                                 f"template that a request may set; those are: {sorted(settable) or 'none'}")
+        """A ValueError unless each key is a chat template variable a request may set (chat_template.py)."""
+        from nanovllm.engine.chat_template import check_template_kwargs  # (chat's: loaded when used)
+        check_template_kwargs(self.tokenizer, self.config.model, template_kwargs)
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         """text's token ids. A text far longer than max_model_len is first counted by the fast
@@ -254,9 +225,7 @@ class LLMEngine:
         if grammar is not None:  # each sample follows the grammar on its own
             for seq in samples:
                 seq.matcher = self.grammars.matcher(grammar)
-        if self.tokenizer is not None and (stream or sampling_params.stop_strings):
-            for seq in samples:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        self.outputs.watch(samples, stream)
         samples[0].forks = samples[1:]
         return samples
 
@@ -389,7 +358,7 @@ class LLMEngine:
         string), then the news to its caller's inbox (see _run)."""
         for seq in updated:
             if seq.detokenizer is not None:
-                self._update_text(seq)
+                self.outputs.update_text(seq)
             if seq.inbox is not None:
                 seq.inbox.append(seq)
 
@@ -400,66 +369,8 @@ class LLMEngine:
             if seq.inbox is not None:
                 seq.inbox.append(seq)
 
-    def _update_text(self, seq: Sequence):
-        """Grow seq.text by its new tokens, one at a time (a speculative step brings several); end
-        the sequence at a stop string, and drop the tokens after the one that completed it: plain
-        decoding would have stopped there, before making them."""
-        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.detokenizer.num_completion_ids:]
-        ended_by_token = seq.stop_reason is not None  # (its last token: then a stop string there does not count)
-        for i, token in enumerate(new_ids):
-            later = len(new_ids) - 1 - i  # the tokens after this one
-            seen = len(seq.text)
-            seq.text += seq.detokenizer.update([token], final=seq.is_finished and not later)
-            if (later or not ended_by_token) and self._ends_at_stop_string(seq, seen, later):
-                if later:
-                    seq.truncate(later)
-                return
-
-    def _ends_at_stop_string(self, seq: Sequence, seen: int, later: int) -> bool:
-        """Whether the text, grown from `seen` characters, now holds a stop string (and min_tokens
-        tokens, `later` of them not counted yet); if so, cut it there and finish the sequence."""
-        params = seq.sampling_params
-        if not params.stop_strings or seq.num_completion_tokens - later < params.min_tokens:
-            return False
-        start = max(0, seen - max(map(len, params.stop_strings)) + 1)  # a match may begin in older text
-        hits = [(i, stop) for stop in params.stop_strings if (i := seq.text.find(stop, start)) >= 0]
-        if not hits:
-            return False
-        i, stop = min(hits)
-        seq.text = seq.text[:i + len(stop) if params.include_stop_str_in_output else i]
-        if seq.is_finished:  # (a speculative step's run ended it, by length: the stop string counts)
-            seq.finish("stop", stop, seq.finish_time)
-        else:
-            self.scheduler.finish(seq, "stop", stop)
-        return True
-
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.in_flight is None
-
-    def _final_text(self, seq: Sequence) -> str | None:
-        if self.tokenizer is None:
-            return None
-        if isinstance(seq.stop_reason, str):  # cut at a stop string
-            return seq.text
-        ids = seq.completion_token_ids
-        if isinstance(seq.stop_reason, int) and not seq.sampling_params.include_stop_str_in_output:
-            ids = ids[:-1]  # the stop token's own text is left out, as a stop string's is
-        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids)
-
-    def _sample_output(self, seq: Sequence) -> dict:
-        out = {"text": self._final_text(seq), "token_ids": seq.completion_token_ids,
-               "num_cached_tokens": seq.num_cached_tokens, "finish_reason": seq.finish_reason,
-               "stop_reason": seq.stop_reason, "metrics": seq.metrics()}
-        if seq.logprobs is not None:
-            out["logprobs"] = seq.logprobs
-        if seq.prompt_logprobs is not None:
-            out["prompt_logprobs"] = seq.prompt_logprobs
-        return out
-
-    def output(self, samples: list[Sequence]) -> dict:
-        """A request's output: the first sample's fields, and with n > 1 all of them in `samples`."""
-        outs = [self._sample_output(seq) for seq in samples]
-        return {**outs[0], "samples": outs} if len(outs) > 1 else outs[0]
 
     def _run(self, seqs: list[Sequence]):
         """Step until every sequence in seqs has finished, yielding after each step those of them
@@ -509,7 +420,7 @@ class LLMEngine:
                     bar.update(len(finished))
                     bar.set_postfix_str(f"{num_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f} tok/s",
                                         refresh=False)
-        return [self.output(samples) for samples in requests]
+        return [self.outputs.output(samples) for samples in requests]
 
     def stream(self, prompts, sampling_params):
         """Like generate(), but yields updates as tokens are produced, while continuous batching
@@ -532,38 +443,12 @@ class LLMEngine:
         for updated in self._run([seq for samples in requests for seq in samples]):
             # All of them now, before the caller runs again: a step it makes in between (another
             # generate, say) must not change what this batch of news reports.
-            updates = [self.stream_update(seq) for seq in updated]
+            updates = [self.outputs.stream_update(seq) for seq in updated]
             yield from (u for u in updates if u is not None)
 
     def stream_update(self, seq: Sequence) -> dict | None:
-        """What is new in seq since its last update (None when nothing is): stream()'s dict, each
-        token and character reported once. A sequence built without a detokenizer (not for
-        streaming) has text only in its last update."""
-        first = seq.num_emitted_tokens
-        if seq.is_finished:
-            text = self._final_text(seq)
-        elif seq.detokenizer is not None:
-            # hold back what could still turn out to be the start of a stop string
-            held = max(map(len, seq.sampling_params.stop_strings), default=1) - 1
-            text = seq.text[:max(len(seq.text) - held, seq.num_emitted_chars)]
-        else:
-            text = None
-        new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens:]
-        new_text = text[seq.num_emitted_chars:] if text is not None else None
-        if not new_ids and not new_text and not seq.is_finished:
-            return None
-        seq.num_emitted_tokens += len(new_ids)
-        seq.num_emitted_chars += len(new_text or "")
-        update = {"index": seq.index, "sample": seq.sample_index, "text": new_text, "token_ids": new_ids,
-                  "finished": seq.is_finished}
-        if seq.logprobs is not None:
-            update["logprobs"] = seq.logprobs[first:first + len(new_ids)]
-        if first == 0 and seq.prompt_logprobs is not None:  # (complete once the first token is in)
-            update["prompt_logprobs"] = seq.prompt_logprobs
-        if seq.is_finished:
-            update.update(finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                          num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics())
-        return update
+        """What is new in seq since its last update (OutputProcessor.stream_update; the server's)."""
+        return self.outputs.stream_update(seq)
 
     def shutdown(self):
         """Stop the tensor-parallel worker processes, if any. Idempotent; also run by `with LLM(...)`,
@@ -580,7 +465,8 @@ class LLMEngine:
 
     def attach_recorder(self, recorder):
         """Record every step from now on (bench.py: engine/recorder.py's StepRecorder); None detaches."""
-        self.recorder = self.model_runner.recorder = recorder
+        self.recorder = recorder
+        self.model_runner.attach_recorder(recorder)
 
     def stats(self) -> dict:
         """The engine's state now: KV blocks (all, free, the most ever in use), sequences running

@@ -536,6 +536,10 @@ class ModelRunner:
         stacked = to_device(np.stack([a.astype(dtype, copy=False) for a in arrays.values()]), self.device)
         return dict(zip(arrays, stacked))
 
+    def attach_recorder(self, recorder):
+        """Time every step's device work from now on (engine/recorder.py's StepRecorder); None detaches."""
+        self.recorder = recorder
+
     def close(self):
         """End the worker processes (rank 0); the runner is unusable afterwards."""
         if self.workers is not None:
