@@ -109,22 +109,44 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self):
-        def positive_int(name, allow_none=False):
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-
         self.model = resolve_model(self.model)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
+        self._check_options()
+        if self.speculative_config is not None:
+            from nanovllm.speculative.config import SpeculativeConfig  # (speculation's layer: loaded when asked for)
+            self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self._check_host_tier()
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+        self._read_model_config()
+        self.attention_backend = resolve_backend(self.attention_backend, self.device,
+                                                 fp8_kv=KV_CACHE_DTYPES[self.kv_cache_dtype] is not None)
+        if self.attention_backend == "flash_attn" and self.block_size % FLASH_ATTN_BLOCK_SIZE:
+            raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
+                             f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
+        self.dtype = self._resolve_dtype()
+        self._check_tensor_parallel()
+
+    def _positive_int(self, name: str, allow_none: bool = False):
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def _check_options(self):
+        """The options' types and ranges (those checked against the model come later)."""
         for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            positive_int(name)
-        positive_int("kvcache_block_size", allow_none=True)
-        positive_int("num_kvcache_blocks", allow_none=True)
+            self._positive_int(name)
+        self._positive_int("kvcache_block_size", allow_none=True)
+        self._positive_int("num_kvcache_blocks", allow_none=True)
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -136,18 +158,10 @@ class Config:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.speculative_config is not None:
-            from nanovllm.speculative.config import SpeculativeConfig  # (speculation's layer: loaded when asked for)
-            self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        self._check_host_tier()
 
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or None, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-
+    def _read_model_config(self):
+        """hf_config, and what follows from it: max_model_len within its positions, the EOS ids,
+        an architecture the engine runs, the quantization, a draft model's config."""
         try:
             self.hf_config = AutoConfig.from_pretrained(self.model)
         except Exception as e:  # an unknown model_type, a broken config.json, ...
@@ -166,14 +180,6 @@ class Config:
         self.quant_config = QuantizationConfig.resolve(self.quantization, self.hf_config)
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.draft_hf_config = self.speculative.draft_hf_config(self.hf_config, self.max_model_len)
-
-        self.attention_backend = resolve_backend(self.attention_backend, self.device,
-                                                 fp8_kv=KV_CACHE_DTYPES[self.kv_cache_dtype] is not None)
-        if self.attention_backend == "flash_attn" and self.block_size % FLASH_ATTN_BLOCK_SIZE:
-            raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
-                             f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
-        self.dtype = self._resolve_dtype()
-        self._check_tensor_parallel()
 
     def _check_host_tier(self):
         """kv_offloading_size (GiB of host memory for the prefix cache's second tier, over all

@@ -45,6 +45,9 @@ class StructuredOutputsParams:
             if not isinstance(schema, (dict, bool)):
                 raise TypeError(f"StructuredOutputsParams.json must be a JSON schema (an object), got {self.json!r}")
             object.__setattr__(self, "json", text)
+        self._check_kinds_and_reasoning()
+
+    def _check_kinds_and_reasoning(self):
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -127,53 +130,67 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        def number(name, low, high, low_open=False, high_open=False):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
-            too_low = value <= low if low_open else value < low
-            too_high = value >= high if high_open else value > high
-            if math.isnan(value) or too_low or too_high:
-                interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-                raise ValueError(f"SamplingParams.{name} must be in {interval}, got {value}")
+        self._check_numbers()
+        self._check_stops()
+        self._check_token_choices()
 
-        def integer(name, low, allow_none=False):
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
-            if value < low:
-                raise ValueError(f"SamplingParams.{name} must be >= {low}, got {value}")
+    def _number(self, name: str, low: float, high: float, low_open: bool = False, high_open: bool = False):
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if math.isnan(value) or too_low or too_high:
+            interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+            raise ValueError(f"SamplingParams.{name} must be in {interval}, got {value}")
 
-        number("temperature", 0.0, math.inf, high_open=True)
-        integer("top_k", -1)
+    def _integer(self, name: str, low: int, allow_none: bool = False):
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"SamplingParams.{name} must be an int, got {value!r}")
+        if value < low:
+            raise ValueError(f"SamplingParams.{name} must be >= {low}, got {value}")
+
+    def _check_numbers(self):
+        self._number("temperature", 0.0, math.inf, high_open=True)
+        self._integer("top_k", -1)
         if self.top_k == 0:
             raise ValueError("SamplingParams.top_k must be -1 (disabled) or >= 1, got 0")
-        number("top_p", 0.0, 1.0, low_open=True)
-        number("min_p", 0.0, 1.0)
-        number("presence_penalty", -2.0, 2.0)
-        number("frequency_penalty", -2.0, 2.0)
-        number("repetition_penalty", 0.0, math.inf, low_open=True, high_open=True)
-        integer("max_tokens", 1)
-        integer("min_tokens", 0)
+        self._number("top_p", 0.0, 1.0, low_open=True)
+        self._number("min_p", 0.0, 1.0)
+        self._number("presence_penalty", -2.0, 2.0)
+        self._number("frequency_penalty", -2.0, 2.0)
+        self._number("repetition_penalty", 0.0, math.inf, low_open=True, high_open=True)
+        self._integer("max_tokens", 1)
+        self._integer("min_tokens", 0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
-        integer("n", 1)
-        integer("logprobs", 0, allow_none=True)
-        integer("prompt_logprobs", 0, allow_none=True)
-        integer("seed", 0, allow_none=True)
+        self._integer("n", 1)
+        self._integer("logprobs", 0, allow_none=True)
+        self._integer("prompt_logprobs", 0, allow_none=True)
+        self._integer("seed", 0, allow_none=True)
         if self.seed is not None and self.seed >= 2**63:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _check_stops(self):
+        """stop and stop_token_ids, kept as tuples (so that the caller's list changed later cannot
+        change a validated request)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}")
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple, set)) or not all(is_token_id(t) for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))
+
+    def _check_token_choices(self):
+        """logit_bias, allowed_token_ids and structured_outputs: what changes which tokens may come."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r}")
@@ -196,9 +213,6 @@ class SamplingParams:
             if self.min_tokens:
                 raise ValueError("SamplingParams.min_tokens cannot be combined with structured_outputs (once the "
                                  "grammar is complete only EOS may follow)")
-        # Tuples, so that the caller's list changed later cannot change a validated request.
-        object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in ids))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import core_lines  # noqa: E402
 
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
 # 30); this is the figure as it stands, so that growth is a decision, not a drift.
-CORE_LINE_BUDGET = 4950
+CORE_LINE_BUDGET = 4600
 # Layers a plain dense-model generate must not load: speculation's draft model and rejection
 # sampler, structured outputs and their schema check, the host tier, MoE and quantized GEMMs, the
 # mixture-of-experts families, bench's step recorder, the server.
@@ -27,13 +27,7 @@ OPTIONAL_LAYERS = ("nanovllm.speculative.draft_model", "nanovllm.speculative.rej
 MAX_FUNCTION_LINES = 40
 # ... but these, at their length today. An entry may only shrink: lower it when its function
 # shortens, remove it when the function is down to MAX_FUNCTION_LINES (or gone).
-LONG_FUNCTIONS = {
-    "nanovllm.sampling_params:SamplingParams.__post_init__": 73,
-    "nanovllm.config:Config.__post_init__": 66,
-    "nanovllm.engine.scheduler:Scheduler._schedule": 56,
-    "nanovllm.utils.loader:load_model": 53,
-    "nanovllm.engine.model_runner:ModelRunner.sampling_batch": 42,
-}
+LONG_FUNCTIONS: dict[str, int] = {}
 # The package's import cycles today (each a strongly connected component, its modules sorted):
 # none. Only ever removed from.
 IMPORT_CYCLES: list[tuple[str, ...]] = []

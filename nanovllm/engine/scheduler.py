@@ -24,6 +24,7 @@ class _Refused:
 
 
 REFUSED = _Refused()
+NO_DRAFTS = (0, None)  # (a step's sequence without speculation: no drafts, no ids)
 STATUS_OF = attrgetter("status")
 
 
@@ -31,8 +32,7 @@ STATUS_OF = attrgetter("status")
 class ScheduledStep:
     """A step as the scheduler planned it: its sequences in order, with the position of each one's
     first new token and how many it computes. Planning commits it (see Scheduler.schedule)."""
-    seqs: list[Sequence] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)  # (their rows: each one's seq.row, fixed until the step is sent)
     starts: list[int] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
@@ -61,7 +61,8 @@ class ScheduledStep:
         """What every rank needs to run this step."""
         num_seqs = len(self.seqs)
         samples = np.ones(num_seqs, dtype=bool) if len(self.sampling) == num_seqs else np.array(self.samples)
-        batch = StepBatch(np.fromiter(self.rows, np.int32, num_seqs), np.fromiter(self.starts, np.int32, num_seqs),
+        batch = StepBatch(np.fromiter([seq.row for seq in self.seqs], np.int32, num_seqs),
+                          np.fromiter(self.starts, np.int32, num_seqs),
                           np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
                           self.fixed_tokens)
         if self.drafts:  # (speculative decoding: each sequence's drafts, verified in the step)
@@ -136,11 +137,16 @@ class Scheduler:
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
         if self.num_preemptions == num_preemptions:
+            # (those admitted now hold their blocks and must not grow: a growth would preempt from the
+            # end of `running`, where they are; so they do not draft)
             self._schedule(step, self._admit_waiting(step, budget), budget, propose=False)
         if not step.seqs:
             return None
-        # Publish the blocks this step fills with tokens the host knows, after admission: a
-        # sequence admitted now must not hit a block whose K/V this same step computes.
+        if self.batch_state.num_constrained:  # (complete() feeds their grammars; their masks wait: LLMEngine._launch)
+            step.constrained = any(seq.matcher is not None for seq in step.seqs)
+        # Publish the blocks this step fills with tokens the host knows (a decode's new token is
+        # known a step later: its block is published then), after admission: a sequence admitted
+        # now must not hit a block whose K/V this same step computes.
         for seq, num_tokens in step.filled:
             self.block_manager.cache_full_blocks(seq, num_tokens)
         step.fixed_tokens = [(seq.row, position, token) for seq, position, token in self.token_fixes
@@ -151,18 +157,12 @@ class Scheduler:
         return step
 
     def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, propose: bool = True) -> int:
-        """Put running sequences in the step, in order, while the token budget lasts: one token
-        each when decoding, the next chunk of an unfinished prefill otherwise. A sequence that
-        needs a block when none is free preempts the most recently admitted ones (itself, when
-        it is that one). Returns the budget left. (The one pass over every sequence of a step:
-        its appends are bound once.) propose: decoding sequences may draft (the speculation
-        hook); not those admitted in this step, which have their blocks already and must not
-        grow: a growth would preempt from the end of `running`, where they are."""
-        add_seq, add_num_new, add_row, add_start, add_samples, add_sampling, add_filled = (
-            step.seqs.append, step.num_new.append, step.rows.append, step.starts.append, step.samples.append,
-            step.sampling.append, step.filled.append)
+        """Put running sequences in the step, in order, while the token budget lasts: a decode's token
+        (and the drafts the speculation hook proposes, unless propose=False), else a prefill's next
+        chunk, growing into new blocks (_make_room: preempting when none is free). Returns the budget left."""
+        add_seq, add_num_new, add_start, add_samples, add_sampling = (  # (the step's one loop: bound once)
+            step.seqs.append, step.num_new.append, step.starts.append, step.samples.append, step.sampling.append)
         block_size = self.block_size
-        constrained = self.batch_state.num_constrained > 0
         drafts_of = self.speculation.propose if self.speculation is not None and propose else None
         for seq in seqs:  # (preemption pops from the end of `running`: the loop then ends sooner)
             if budget <= 0:
@@ -170,13 +170,10 @@ class Scheduler:
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            if constrained and seq.matcher is not None:
-                step.constrained = True  # (its mask waits for its token: LLMEngine._launch)
-            num_drafts = 0
-            if drafts_of is not None and num_tokens - start == 1:  # a decode may draft (speculative decoding)
-                num_drafts, draft_ids = drafts_of(seq, len(self.running))
-                if 1 + num_drafts > budget:
-                    break  # it waits for the next step (see Speculation.propose); the first of a step always fits
+            num_drafts, draft_ids = (drafts_of(seq, len(self.running)) if drafts_of is not None
+                                     and num_tokens - start == 1 else NO_DRAFTS)  # (a decode may draft)
+            if 1 + num_drafts > budget:
+                break  # it waits for the next step (see Speculation.propose); the first of a step always fits
             n = num_tokens - start + num_drafts if num_tokens - start < budget else budget
             end = start + n
             if end > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
@@ -189,24 +186,25 @@ class Scheduler:
             seq.advance(end, samples)
             add_seq(seq)
             add_num_new(n)
-            add_row(seq.row)
             add_start(start)
             add_samples(samples)
             if samples:
                 add_sampling(seq)
-            # Blocks filled by tokens the host knows can be published (whoever reads them runs after
-            # this step). A decode's new token is known a step later: its block is published then.
-            known = len(seq.token_ids)
-            if end < known:
-                known = end
+            known = len(seq.token_ids) if end > len(seq.token_ids) else end  # (publish_filled_blocks)
             if known // block_size > len(seq.block_hashes):
-                add_filled((seq, known))
-            if seq.forks and end >= seq.num_prompt_tokens:
-                step.forking.append(seq)
-            if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:  # (an observer of the step)
-                from nanovllm.engine.prompt_logprobs import want  # (prompt logprobs' layer: loaded when used)
-                want(step.prompt_logprobs, len(step.seqs) - 1, seq, start, end)
+                step.filled.append((seq, known))
+            if seq.forks or seq.prompt_logprobs is not None:
+                self._prompt_computed(step, seq, start, end)
         return budget
+
+    def _prompt_computed(self, step: ScheduledStep, seq: Sequence, start: int, end: int):
+        """seq, with forks or asking for prompt logprobs, computes [start, end) in this step: its
+        forks are queued once its prompt is in, and the prompt logprobs observer notes its chunk."""
+        if seq.forks and end >= seq.num_prompt_tokens:
+            step.forking.append(seq)
+        if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:
+            from nanovllm.engine.prompt_logprobs import want  # (prompt logprobs' layer: loaded when used)
+            want(step.prompt_logprobs, len(step.seqs) - 1, seq, start, end)
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while

@@ -75,29 +75,7 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in progress(files, "Loading safetensors shards", enabled=show_progress, unit="shard"):
-        try:
-            f = safe_open(file, "pt", "cpu")
-        except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable
-            raise ValueError(f"cannot read weights file {file!r}: {e}") from e
-        with f:
-            for name in f.keys():
-                target, shard_id = model.checkpoint_target(name)
-                if target not in params:
-                    if shard_id is not None or not name.endswith(IGNORED_TENSOR_SUFFIXES):
-                        unexpected.append(name)
-                    continue
-                try:
-                    tensor = f.get_tensor(name)
-                except (SafetensorError, OSError) as e:
-                    raise ValueError(f"cannot read tensor {name!r} from weights file {file!r}: {e}") from e
-                try:
-                    load_param(model, target, params[target], tensor, shard_id)
-                except ShapeMismatch as e:
-                    raise ValueError(f"tensor {name!r} in {file!r} has shape {e.found}, but config.json implies "
-                                     f"{e.expected}; is config.json right for these weights?") from None
-                except ValueError as e:  # a loader that refuses the values (a KV-cache scale of 0)
-                    raise ValueError(f"tensor {name!r} in {file!r}: {e}") from None
-                loaded.add(target)
+        load_file(model, file, params, loaded, unexpected)
     if unexpected:
         raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: {unexpected[:5]}"
                          f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
@@ -110,6 +88,34 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
         raise ValueError(f"checkpoint in {path!r} has no weights for {missing[:5]}"
                          f"{' and more' if len(missing) > 5 else ''}")
     process_weights_after_loading(model)
+
+
+def load_file(model: nn.Module, file: str, params: dict, loaded: set[str], unexpected: list[str]):
+    """One safetensors file's tensors into their parameters (load_model): the parameters loaded
+    go into `loaded`, the names of tensors with none to go to into `unexpected`."""
+    try:
+        f = safe_open(file, "pt", "cpu")
+    except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable
+        raise ValueError(f"cannot read weights file {file!r}: {e}") from e
+    with f:
+        for name in f.keys():
+            target, shard_id = model.checkpoint_target(name)
+            if target not in params:
+                if shard_id is not None or not name.endswith(IGNORED_TENSOR_SUFFIXES):
+                    unexpected.append(name)
+                continue
+            try:
+                tensor = f.get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"cannot read tensor {name!r} from weights file {file!r}: {e}") from e
+            try:
+                load_param(model, target, params[target], tensor, shard_id)
+            except ShapeMismatch as e:
+                raise ValueError(f"tensor {name!r} in {file!r} has shape {e.found}, but config.json implies "
+                                 f"{e.expected}; is config.json right for these weights?") from None
+            except ValueError as e:  # a loader that refuses the values (a KV-cache scale of 0)
+                raise ValueError(f"tensor {name!r} in {file!r}: {e}") from None
+            loaded.add(target)
 
 
 def process_weights_after_loading(model: nn.Module):
