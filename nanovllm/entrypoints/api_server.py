@@ -250,13 +250,17 @@ async def models(http: Request):
     return {"object": "list", "data": [model_card(http.app.state)]}
 
 
+def check_model(model: str | None, served_model_name: str):
+    """A 404 for a model that this server does not serve (None: the request named none)."""
+    if model is not None and model != served_model_name:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}`",
+                       "not_found_error", "model", "model_not_found")
+
+
 @v1.get("/models/{model_id:path}", responses={401: ERRORS[401], 404: ERRORS[404]})
 async def model(model_id: str, http: Request):
-    state = http.app.state
-    if model_id != state.served_model_name:
-        raise APIError(404, f"the model `{model_id}` does not exist; this server serves `{state.served_model_name}`",
-                       "not_found_error", "model", "model_not_found")
-    return model_card(state)
+    check_model(model_id, http.app.state.served_model_name)
+    return model_card(http.app.state)
 
 
 def body_of(model: type[SamplingRequest]) -> dict:
@@ -305,16 +309,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
 
 
 # ---- one API call -------------------------------------------------------------------------------
-def check_model(body: SamplingRequest, served_model_name: str):
-    if body.model is not None and body.model != served_model_name:
-        raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{served_model_name}`",
-                       "not_found_error", "model", "model_not_found")
-
-
 async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, num_logprobs: int | None) -> list:
     """Tokenize the call's prompts (on the tokenizer threads), compile its grammar (on the grammar
     threads), give each prompt its completion limit, and queue them together, all or none. Each
-    refusal is an APIError naming the field. A caller that goes away meanwhile (this coroutine
+    refusal is a BadRequest naming the field, or (QueueFull, ShuttingDown, EngineDead) one that
+    until_disconnected answers with a 503. A caller that goes away meanwhile (this coroutine
     cancelled) queues nothing, and its compile is dropped if it has not started."""
     try:
         engine.check_open()  # (before tokenizing for nothing)
@@ -327,15 +326,11 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
         raise
     except (ValueError, TypeError) as e:
         raise BadRequest(str(e), body.prompt_field) from e
-    except (ShuttingDown, EngineDead) as e:
-        raise unavailable(e) from e
     params = body.for_prompts(params, prompt_ids, engine.llm.tokenizer)
     try:
         await engine.compile_grammar(params)  # (off the engine's thread: it finds the grammar in its cache)
     except ValueError as e:
         raise (body.bad_request(e) if "SamplingParams." in str(e) else BadRequest(str(e), body.structured_field)) from e
-    except (ShuttingDown, EngineDead) as e:
-        raise unavailable(e) from e
     max_model_len = engine.llm.config.max_model_len
     params = [with_limit(params, len(ids), body, max_model_len) for ids in prompt_ids]
     try:
@@ -344,8 +339,6 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
         raise BadRequest(str(e), "n" if body.n > 1 else body.prompt_field) from e
     except (ValueError, TypeError) as e:
         raise body.bad_request(e) from e
-    except (QueueFull, ShuttingDown, EngineDead) as e:
-        raise unavailable(e) from e
 
 
 async def sampling_params(engine: AsyncEngine, body: SamplingRequest, num_logprobs: int | None):
@@ -395,7 +388,7 @@ async def respond(http: Request, body: SamplingRequest, prompts: list, num_logpr
     client that disconnects before its answer starts gets none (its requests are aborted; a
     compile not started yet is dropped)."""
     engine, name = http.app.state.engine, http.app.state.served_model_name
-    check_model(body, name)
+    check_model(body.model, name)
     try:
         requests = await until_disconnected(http, submit_all(engine, prompts, body, num_logprobs))
         response = choices(requests, body, name, engine.llm.tokenizer)
@@ -422,7 +415,7 @@ class ClientGone(Exception):
 
 async def until_disconnected(http: Request, work):
     """Run the coroutine `work` and return its result; if the client disconnects first, cancel it
-    and raise ClientGone."""
+    and raise ClientGone. An engine that cannot take or finish the call is a 503 (unavailable)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected():
@@ -441,7 +434,7 @@ async def until_disconnected(http: Request, work):
         raise ClientGone
     try:
         return task.result()
-    except EngineDead as e:
+    except (QueueFull, ShuttingDown, EngineDead) as e:
         raise unavailable(e) from e
 
 
@@ -485,16 +478,12 @@ class Choices:
         the endpoint's shape; text_offset: the characters of the choice sent before them."""
         raise NotImplementedError
 
-    def content(self, text: str) -> dict:
-        """A whole choice's text, as the response's choice holds it."""
-        raise NotImplementedError
-
     def echo(self, c: int, texts: dict, ids: dict, entries: dict, finals: dict, prompt_entries: list | None):
         """Completions' echo: choice c's text, tokens and logprobs with its prompt's first."""
 
     def final(self, text: str, finish_reason: str) -> tuple[dict, str]:
         """A finished choice's content fields and finish reason (chat: its tool calls parsed)."""
-        return self.content(text), finish_reason
+        raise NotImplementedError
 
     def stream_piece(self, c: int, text: str, finished: bool, finish_reason: str | None
                      ) -> tuple[str, dict, str | None]:
@@ -616,8 +605,7 @@ class Choices:
                 choice["stop_reason"] = update["stop_reason"]
             yield chunk([choice])
         if include_usage:
-            yield {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                   "choices": [], "usage": self.usage(finals)}
+            yield {**chunk([]), "usage": self.usage(finals)}
 
 
 class CompletionChoices(Choices):
@@ -659,8 +647,8 @@ class CompletionChoices(Choices):
             entries[text if text not in entries else f"token_id:{token_id}"] = logprob
         return entries
 
-    def content(self, text: str) -> dict:
-        return {"text": text}
+    def final(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        return {"text": text}, finish_reason
 
     def delta(self, text: str) -> dict:
         return {"text": text}
@@ -686,9 +674,6 @@ class ChatChoices(Choices):
              "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": self._bytes(i)} for i, v in top]}
             for token_id, (token, lp, top) in zip(token_ids, self._ranked(token_ids, entries,
                                                                           self.body.top_logprobs or 0))]}
-
-    def content(self, text: str) -> dict:
-        return {"message": {"role": "assistant", "content": text}}
 
     def delta(self, text: str, tool_calls: list | None = None, reasoning_content: str | None = None) -> dict:
         delta = {"content": text} if text else {}

@@ -172,15 +172,13 @@ class AsyncEngine:
     # ---- the asyncio side ---------------------------------------------------------------------
     async def encode(self, prompt) -> list[int]:
         """A prompt as validated token ids, worked out on a tokenizer thread: a string, token
-        ids, or chat messages ({"role", "content"} dicts, rendered with the chat template). Raises
-        the engine's ValueError/TypeError naming what is wrong."""
+        ids, or a ChatPrompt (rendered with the chat template). Raises the engine's
+        ValueError/TypeError naming what is wrong."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self._encode, prompt)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):
             prompt = self.llm.render_chat(prompt.messages, prompt.tools, prompt.template_kwargs)
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # chat messages
-            prompt = self.llm.render_chat(prompt)
         return self.llm.encode_prompt(prompt)
 
     def submit_all(self, prompt_token_ids: list[list[int]], params: list[SamplingParams],

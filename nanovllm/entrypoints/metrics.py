@@ -11,49 +11,51 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0, 160.0)
 
 
+# Gauges set from the engine thread's snapshot (AsyncEngine.stats): its key -> (metric name, help).
+GAUGES = {
+    "num_running": ("num_requests_running", "Sequences in the running batch."),
+    "num_waiting": ("num_requests_waiting", "Sequences waiting to be scheduled."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "KV cache usage: blocks held by requests over all blocks (0 to 1)."),
+    "num_host_blocks": ("host_cache_blocks", "Blocks the host tier of the prefix cache holds (0: no host tier)."),
+}
+# Counters that follow the engine's cumulative counts in the snapshot: its key -> (metric name, help).
+CACHE_COUNTS = {
+    "num_cached_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "host_cache_queries": ("host_cache_queries", "Prompt tokens looked up in the host tier of the prefix cache "
+                           "(those the device tier missed)."),
+    "host_cache_hits": ("host_cache_hit_tokens", "Prompt tokens the host tier served (reloaded to the device)."),
+    "kv_offloaded_bytes": ("kv_offload_bytes", "KV bytes copied to the host tier (rank 0)."),
+    "kv_reloaded_bytes": ("kv_reload_bytes", "KV bytes copied back from the host tier (rank 0)."),
+    "kv_copy_time_s": ("kv_copy_seconds", "Time the host tier's copies took (rank 0)."),
+    "num_preemptions": ("num_preemptions", "Sequences preempted (to be recomputed)."),
+}
+SPEC_COUNTS = {
+    "spec_num_drafts": ("spec_decode_num_drafts", "Speculative steps' drafts (one per sequence that drafted)."),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
 class ServingMetrics:
     """The metrics of one server, in a registry of their own (so several can live in one process)."""
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("nanovllm:num_requests_running", "Sequences in the running batch.", registry=r)
-        self.waiting = Gauge("nanovllm:num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("nanovllm:kv_cache_usage_perc",
-                              "KV cache usage: blocks held by requests over all blocks (0 to 1).", registry=r)
-        self.host_blocks = Gauge("nanovllm:host_cache_blocks", "Blocks the host tier of the prefix cache holds "
-                                 "(0: no host tier).", registry=r)
+        self.gauges = {key: Gauge(f"nanovllm:{name}", text, registry=r) for key, (name, text) in GAUGES.items()}
         self.host_usage = Gauge("nanovllm:host_cache_usage_perc", "Host tier usage: its blocks holding a cached "
                                 "block over all of them (0 to 1).", registry=r)
         self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens of the requests received.",
                                      registry=r)
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated and returned.", registry=r)
-        self.prefix_cache_hits = Counter("nanovllm:prefix_cache_hit_tokens",
-                                         "Prompt tokens served by the prefix cache.", registry=r)
-        self.prefix_cache_queries = Counter("nanovllm:prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.host_cache_queries = Counter("nanovllm:host_cache_queries", "Prompt tokens looked up in the host "
-                                          "tier of the prefix cache (those the device tier missed).", registry=r)
-        self.host_cache_hits = Counter("nanovllm:host_cache_hit_tokens", "Prompt tokens the host tier served "
-                                       "(reloaded to the device).", registry=r)
-        self.kv_offloaded = Counter("nanovllm:kv_offload_bytes", "KV bytes copied to the host tier (rank 0).",
-                                    registry=r)
-        self.kv_reloaded = Counter("nanovllm:kv_reload_bytes", "KV bytes copied back from the host tier (rank 0).",
-                                   registry=r)
-        self.kv_copy_time = Counter("nanovllm:kv_copy_seconds", "Time the host tier's copies took (rank 0).",
-                                    registry=r)
-        self.preemptions = Counter("nanovllm:num_preemptions", "Sequences preempted (to be recomputed).",
-                                   registry=r)
+        self.counts = {key: Counter(f"nanovllm:{name}", text, registry=r) for key, (name, text) in CACHE_COUNTS.items()}
         self.ttft = Histogram("nanovllm:time_to_first_token_seconds", "Time to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("nanovllm:time_per_output_token_seconds", "Mean time per output token after the first.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("nanovllm:e2e_request_latency_seconds", "Arrival to finish of a sequence.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.spec_drafts = Counter("nanovllm:spec_decode_num_drafts", "Speculative steps' drafts (one per sequence "
-                                   "that drafted).", registry=r)
-        self.spec_draft_tokens = Counter("nanovllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
-        self.spec_accepted_tokens = Counter("nanovllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                            registry=r)
+        self.counts |= {key: Counter(f"nanovllm:{name}", text, registry=r) for key, (name, text) in SPEC_COUNTS.items()}
         self.spec_accepted_per_pos = Counter("nanovllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by their position in the draft.", ["position"],
                                              registry=r)
@@ -77,18 +79,10 @@ class ServingMetrics:
     def stepped(self, stats: dict):
         """After a step: the gauges from the engine thread's snapshot (AsyncEngine.stats), the
         counters from the engine's cumulative counts in it."""
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        self.kv_usage.set(stats["kv_cache_usage"])
-        self.host_blocks.set(stats["num_host_blocks"])
+        for key, gauge in self.gauges.items():
+            gauge.set(stats[key])
         self.host_usage.set(stats["num_host_blocks_used"] / max(1, stats["num_host_blocks"]))
-        for key, counter in (("num_cached_tokens", self.prefix_cache_hits), ("num_preemptions", self.preemptions),
-                             ("spec_num_drafts", self.spec_drafts), ("spec_num_draft_tokens", self.spec_draft_tokens),
-                             ("spec_num_accepted_tokens", self.spec_accepted_tokens),
-                             ("prefix_cache_queries", self.prefix_cache_queries),
-                             ("host_cache_queries", self.host_cache_queries), ("host_cache_hits", self.host_cache_hits),
-                             ("kv_offloaded_bytes", self.kv_offloaded), ("kv_reloaded_bytes", self.kv_reloaded),
-                             ("kv_copy_time_s", self.kv_copy_time)):
+        for key, counter in self.counts.items():
             self._advance(counter, key, stats[key])
         for position, value in enumerate(stats["spec_num_accepted_tokens_per_pos"]):
             self._advance(self.spec_accepted_per_pos.labels(position=str(position)), f"per_pos_{position}", value)

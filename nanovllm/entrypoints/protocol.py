@@ -114,12 +114,9 @@ class SamplingRequest(BaseModel):
 
     # the names of this endpoint's fields, for errors (chat overrides them)
     prompt_field: ClassVar[str] = "prompt"
+    max_tokens_field: ClassVar[str] = "max_tokens"
     _reasoning_parser = PrivateAttr(default=None)  # the server's --reasoning-parser, for chat
     _reasoning_started = PrivateAttr(default=False)  # the rendered prompt opened a reasoning block (chat)
-
-    @property
-    def max_tokens_field(self) -> str:
-        return "max_tokens"
 
     def completion_limit(self) -> int | None:
         """The most tokens to generate per sample, as the request says (None: what the prompt
@@ -339,6 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: more variables of the chat template (enable_thinking)
     _tool_parser = PrivateAttr(default=None)  # the server's (--tool-call-parser), set by the endpoint
+    prompt_field: ClassVar[str] = "messages"
 
     def tool_definitions(self) -> list[dict] | None:
         """The tools as the chat template takes them (OpenAI's shape), None without."""
@@ -382,8 +380,6 @@ class ChatCompletionRequest(SamplingRequest):
                 raise BadRequest(f"tools: a function's parameters are not a JSON schema it can hold a call to: "
                                  f"{xgrammar_message(e)}", "tools") from e
         return super().structured_constraint()
-
-    prompt_field: ClassVar[str] = "messages"
 
     def for_prompts(self, params: SamplingParams, prompt_token_ids: list[list[int]], tokenizer) -> SamplingParams:
         """With --reasoning-parser: whether the template opened a reasoning block at the end of the

@@ -17,6 +17,12 @@ everything up to `</think>` is reasoning.
 PROMPT_TAIL_TOKENS = 32  # the prompt's last tokens read for an opened block (its tag and newlines, any tokenizer)
 
 
+def cut_tag(text: str, tag: str) -> int:
+    """How many characters at the end of text may be the start of tag, cut off: the longest
+    proper prefix of tag that text ends with (0: none)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
+
+
 class Qwen3ReasoningParser:
     start, end = "<think>", "</think>"
 
@@ -69,8 +75,7 @@ class ReasoningStream:
         if p.end in body:
             reasoning, content = body.split(p.end, 1)
             return reasoning.strip("\n"), content.lstrip("\n")
-        cut = next((n for n in range(min(len(p.end) - 1, len(body)), 0, -1) if body.endswith(p.end[:n])), 0)
-        return body[:len(body) - cut].strip("\n"), ""
+        return body[:len(body) - cut_tag(body, p.end)].strip("\n"), ""
 
 
 REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}

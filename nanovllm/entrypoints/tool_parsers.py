@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from nanovllm.engine.json_schema import check_schema, rebase_refs
 from nanovllm.engine.structured_outputs import json_grammar
+from nanovllm.entrypoints.reasoning_parsers import cut_tag
 
 
 @dataclass
@@ -67,12 +68,7 @@ class HermesToolParser:
         """Where in text so far a call may begin (len(text): nowhere yet): the text before is
         content for sure, the rest waits for the end (a call, or a prefix of the start tag)."""
         found = text.find(self.start)
-        if found >= 0:
-            return found
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):  # a tag cut at the end of text
-            if text.endswith(self.start[:n]):
-                return len(text) - n
-        return len(text)
+        return found if found >= 0 else len(text) - cut_tag(text, self.start)
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
         """EBNF for one call of one of these tools (OpenAI's {"name", "parameters"} functions), or
