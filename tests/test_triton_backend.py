@@ -750,7 +750,7 @@ def test_speculative_decode_graphs_compute_what_the_eager_steps_do(monkeypatch, 
     if DEVICE == "cpu":  # (on a GPU the engine captured them)
         runner.graphs, runner.verify_graphs = runner._capture_graphs(), runner._capture_graphs(query_len=1 + k)
         if runner.drafter is not None:
-            runner.drafter.graphs = runner.drafter.capture_graphs()
+            runner.drafter.capture_graphs(runner)  # (kept by the draft model)
     chosen = [[11, 22, 33, 44, 55, 66, 77, 88] * 3, [5, 6, 7] * 4, list(range(100, 120))]
     outputs = llm.generate(chosen, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [reference(model_dir, p, 24) for p in chosen]
