@@ -5,11 +5,13 @@ n > 1, stop tokens and streaming; an identical draft has every draft accepted, g
 so the target runs once per k + 1 tokens (its KV cache mirrors the target's: a revived or
 recomputed block serves it too); sampled output follows the target's distribution, not the
 draft's; seeded requests are reproducible whatever the batch; bad drafts are refused at start-up."""
+import gc
 import json
 import math
 import os
 import random
 import shutil
+import weakref
 from collections import Counter
 
 import pytest
@@ -281,3 +283,18 @@ def test_the_cli_takes_a_draft_model(model_dir, small_draft):
         assert llm.config.speculative.model == small_draft
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
         assert len(out["token_ids"]) == 8 and llm.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_the_kv_caches_go_with_the_engine(model_dir):
+    """The runner holds the draft model and not the other way round: dropping the engine frees both
+    KV caches at once, with no reference cycle left for the garbage collector (on a GPU that
+    memory would count as used by the next engine in the process)."""
+    llm = LLM(model_dir, max_model_len=64, speculative_config=draft(model_dir, 2))
+    llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    caches = [weakref.ref(llm.model_runner.kv_cache), weakref.ref(llm.model_runner.drafter.kv_cache)]
+    gc.disable()
+    try:
+        del llm
+        assert [cache() is None for cache in caches] == [True, True]
+    finally:
+        gc.enable()

@@ -61,7 +61,7 @@ def test_streamed_deltas_add_up_to_the_split_however_cut(text, started):
 
 def choices(**body) -> ChatChoices:
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
-    request._tool_parser = HermesToolParser()
+    request.use_parsers(HermesToolParser())
     return ChatChoices([], request, "m", None, reasoning_parser=Qwen3ReasoningParser())
 
 

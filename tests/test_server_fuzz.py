@@ -123,7 +123,7 @@ def chat_choices(tools: bool, reasoning: bool, started: bool):
     if tools:
         body["tools"] = [{"type": "function", "function": {"name": "f"}}]
     request = ChatCompletionRequest.model_validate(body)
-    request._tool_parser, request._reasoning_started = HermesToolParser(), started
+    request.use_parsers(HermesToolParser(), reasoning_started=started)
     return ChatChoices([], request, NAME, None, reasoning_parser=Qwen3ReasoningParser() if reasoning else None)
 
 

@@ -217,7 +217,8 @@ def test_a_required_tool_calls_grammar_is_built_off_the_event_loop_and_timed(llm
     from nanovllm.entrypoints.tool_parsers import HermesToolParser
     body = ChatCompletionRequest.model_validate({"messages": CHAT, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
-    body._tool_parser = parser = HermesToolParser()
+    parser = HermesToolParser()
+    body.use_parsers(parser)
     monkeypatch.setattr(parser, "grammar", lambda tools, parallel: (time.sleep(1.5), 'root ::= "x"')[1])
     engine = AsyncEngine(llm)
     engine.grammar_timeout_s = 0.5

@@ -280,8 +280,7 @@ async def completions(http: Request):
 async def chat_completions(http: Request):
     body = parse_body(await http.body(), http.headers.get("content-type"), ChatCompletionRequest)
     state = http.app.state
-    body._tool_parser = state.tool_parser
-    body._reasoning_parser = state.reasoning_parser
+    body.use_parsers(state.tool_parser, state.reasoning_parser)
     messages = [m.as_template_input() for m in body.messages]
     try:  # (here, to name the field: rendering checks them too)
         state.engine.llm.check_chat_template_kwargs(body.chat_template_kwargs or {})
@@ -690,9 +689,9 @@ class ChatChoices(Choices):
         message = {"role": "assistant", "content": text}
         if self.reasoning_parser is not None:
             message["reasoning_content"], message["content"] = self.reasoning_parser.split(
-                text, self.body._reasoning_started)
+                text, self.body.reasoning_started)
         if self.body.calls_tools():
-            content, calls = self.body._tool_parser.parse(message["content"] or "")
+            content, calls = self.body.tool_parser.parse(message["content"] or "")
             if calls:  # (the text around them, less the space at its ends)
                 message.update(content=(content or "").strip() or None, tool_calls=[call.as_api() for call in calls])
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -705,11 +704,11 @@ class ChatChoices(Choices):
         parser's held_back); the rest waits for the end, then comes as content and `tool_calls`."""
         extra = {}
         if self.reasoning_parser is not None:
-            split = self._reasoning.setdefault(c, ReasoningStream(self.reasoning_parser, self.body._reasoning_started))
+            split = self._reasoning.setdefault(c, ReasoningStream(self.reasoning_parser, self.body.reasoning_started))
             extra["reasoning_content"], text = split.push(text, finished)
         if not self.body.calls_tools():
             return text, extra, finish_reason
-        parser, pending = self.body._tool_parser, self._pending.get(c, "") + text
+        parser, pending = self.body.tool_parser, self._pending.get(c, "") + text
         if not finished:
             cut = parser.held_back(pending)
             self._pending[c] = pending[cut:]

@@ -117,6 +117,21 @@ class SamplingRequest(BaseModel):
     max_tokens_field: ClassVar[str] = "max_tokens"
     _reasoning_parser = PrivateAttr(default=None)  # the server's --reasoning-parser, for chat
     _reasoning_started = PrivateAttr(default=False)  # the rendered prompt opened a reasoning block (chat)
+    _tool_parser = PrivateAttr(default=None)  # the server's --tool-call-parser (chat)
+
+    def use_parsers(self, tool_parser=None, reasoning_parser=None, reasoning_started: bool = False):
+        """The server's parsers (--tool-call-parser, --reasoning-parser), set by the endpoint."""
+        self._tool_parser, self._reasoning_parser, self._reasoning_started = (tool_parser, reasoning_parser,
+                                                                              reasoning_started)
+
+    @property
+    def tool_parser(self):
+        return self._tool_parser
+
+    @property
+    def reasoning_started(self) -> bool:
+        """Whether the rendered prompt opened a reasoning block (for_prompts)."""
+        return self._reasoning_started
 
     def completion_limit(self) -> int | None:
         """The most tokens to generate per sample, as the request says (None: what the prompt
@@ -335,7 +350,6 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: more variables of the chat template (enable_thinking)
-    _tool_parser = PrivateAttr(default=None)  # the server's (--tool-call-parser), set by the endpoint
     prompt_field: ClassVar[str] = "messages"
 
     def tool_definitions(self) -> list[dict] | None:
