@@ -24,7 +24,6 @@ class _Refused:
 
 
 REFUSED = _Refused()
-NO_DRAFTS = (0, None)  # (a step's sequence without speculation: no drafts, no ids)
 STATUS_OF = attrgetter("status")
 
 
@@ -159,7 +158,7 @@ class Scheduler:
     def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, propose: bool = True) -> int:
         """Put running sequences in the step, in order, while the token budget lasts: a decode's token
         (and the drafts the speculation hook proposes, unless propose=False), else a prefill's next
-        chunk, growing into new blocks (_make_room: preempting when none is free). Returns the budget left."""
+        chunk, in new blocks where it needs them (_make_room, which preempts). Returns the budget left."""
         add_seq, add_num_new, add_start, add_samples, add_sampling = (  # (the step's one loop: bound once)
             step.seqs.append, step.num_new.append, step.starts.append, step.samples.append, step.sampling.append)
         block_size = self.block_size
@@ -170,19 +169,17 @@ class Scheduler:
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            num_drafts, draft_ids = (drafts_of(seq, len(self.running)) if drafts_of is not None
-                                     and num_tokens - start == 1 else NO_DRAFTS)  # (a decode may draft)
-            if 1 + num_drafts > budget:
-                break  # it waits for the next step (see Speculation.propose); the first of a step always fits
+            num_drafts = (drafts_of(seq, len(self.running), budget) if drafts_of is not None
+                          and num_tokens - start == 1 else 0)  # (a decode may draft: speculative decoding)
+            if num_drafts < 0:
+                break  # its drafts wait for the next step's budget (Speculation.propose)
             n = num_tokens - start + num_drafts if num_tokens - start < budget else budget
-            end = start + n
-            if end > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
+            if (end := start + n) > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
                 break  # it was preempted itself, the last running
             budget -= n
             if num_drafts:
-                step.add_drafts(seq.row, num_tokens, num_drafts, draft_ids)
-                num_tokens = end  # (as if every draft is accepted: the hook's complete() takes back the rest)
-            samples = end == num_tokens  # it samples: that token is in flight until complete() reads it
+                step.add_drafts(seq.row, num_tokens, num_drafts, seq.spec.draft_ids)
+            samples = end == num_tokens + num_drafts  # (drafts as if accepted; the token is in flight till complete())
             seq.advance(end, samples)
             add_seq(seq)
             add_num_new(n)
@@ -190,7 +187,9 @@ class Scheduler:
             add_samples(samples)
             if samples:
                 add_sampling(seq)
-            known = len(seq.token_ids) if end > len(seq.token_ids) else end  # (publish_filled_blocks)
+            known = len(seq.token_ids)  # (blocks full of tokens the host knows: published in schedule())
+            if end < known:
+                known = end
             if known // block_size > len(seq.block_hashes):
                 step.filled.append((seq, known))
             if seq.forks or seq.prompt_logprobs is not None:
@@ -316,9 +315,7 @@ class Scheduler:
 
     @staticmethod
     def append_tokens(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None):
-        now = perf_counter()
-        for seq, token in zip(seqs, tokens):
-            seq.append(token, now)
+        Sequence.append_each(seqs, tokens, perf_counter())
         if logprobs is not None:
             for seq, entry in zip(seqs, logprobs):
                 if seq.logprobs is not None:

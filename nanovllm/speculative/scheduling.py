@@ -12,13 +12,14 @@ from nanovllm.speculative.policy import ACCEPTANCE_MEMORY, SpecStats, draft_limi
 
 class SpecState:
     """What speculation keeps of one sequence (Sequence.spec)."""
-    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance", "steps_since_draft", "buffer")
+    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance", "steps_since_draft", "buffer", "draft_ids")
 
     def __init__(self):
         self.draft_tokens = self.accepted_tokens = 0  # its drafts verified, and those accepted
         self.acceptance = 1.0                         # their recent acceptance rate (optimistic at first)
         self.steps_since_draft = 0                    # decode steps since it last drafted (draft_limit)
         self.buffer = None                            # its tokens as numpy, for the n-gram proposer
+        self.draft_ids = None                         # the ids of its drafts this step (n-gram; None: the draft model's)
 
 
 class Speculation:
@@ -31,19 +32,21 @@ class Speculation:
                          if spec.method == "ngram" else None)
         self.stats = SpecStats(self.k)
 
-    def propose(self, seq: Sequence, num_running: int) -> tuple[int, list[int] | None]:
-        """How many draft tokens a decoding sequence verifies this step, and their ids when the
-        host proposes them (n-gram; None: the draft model draws them in the step). As many as the
-        policy allows (draft_limit) and the n-gram proposer finds, at most so many that its
-        accepted drafts and the token after them stay within its token limit (max_tokens,
-        max_model_len), and that it fits in a step's budget. Never fewer for lack of budget in
-        this step (the scheduler holds it for the next one instead), so its drafts, and a seeded
-        request's tokens, do not depend on what shares its step."""
-        if seq.num_tokens != len(seq.token_ids) or seq.matcher is not None:
-            return 0, None  # (its last token is in flight; a grammar's masks follow one token at a time)
+    def propose(self, seq: Sequence, num_running: int, budget: int) -> int:
+        """How many draft tokens a decoding sequence verifies this step (their ids, when the host
+        proposes them, in seq.spec.draft_ids; None: the draft model draws them in the step), or -1:
+        they do not fit in the budget left, and it waits for the next step (the first of a step
+        always fits). As many as the policy allows (draft_limit) and the n-gram proposer finds, at
+        most so many that its accepted drafts and the token after them stay within its token limit
+        (max_tokens, max_model_len), and that they fit in a step's budget. Never fewer for lack of
+        budget in this step, so its drafts, and a seeded request's tokens, do not depend on what
+        shares its step."""
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState()
+        state.draft_ids = None
+        if seq.num_tokens != len(seq.token_ids) or seq.matcher is not None:
+            return 0  # (its last token is in flight; a grammar's masks follow one token at a time)
         limit = draft_limit(self.k, state.acceptance, state.steps_since_draft, num_running,
                             fixed_cost=seq.sampling_params.seed is not None)
         room = max(0, min(limit, seq.token_limit - seq.num_tokens - 1, self.max_num_batched_tokens - 1))
@@ -54,7 +57,8 @@ class Speculation:
             drafts = self.proposer.propose(state.buffer.view(seq.token_ids), max_len=room) if room else []
             room = len(drafts)
         state.steps_since_draft = 0 if room else state.steps_since_draft + 1
-        return room, drafts
+        state.draft_ids = drafts
+        return room if 1 + room <= budget else -1
 
     @staticmethod
     def sampling_rows(batch: StepBatch, rows: np.ndarray, ends: np.ndarray, seqs: list[Sequence]):
