@@ -13,7 +13,7 @@ from nanovllm.models import resolve_model_class
 from nanovllm.utils.hub import resolve_model
 
 if TYPE_CHECKING:
-    from nanovllm.speculative.config import SpeculativeConfig
+    from nanovllm.features.speculative.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -60,7 +60,7 @@ class Config:
         lookup), or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}
         (a smaller model with the target's tokenizer; on rank 0 only), None: off. Each decoding
         sequence proposes up to k draft tokens, and one forward of the target checks them all
-        (speculative/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
+        (features/speculative/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
         target's distribution. Speculative steps run synchronously.
     quantization: "fp8" quantizes the linear layers' weights at load (per output channel; a
         bf16/fp32 checkpoint); None reads the checkpoint's config.json (block-quantized FP8 and
@@ -114,7 +114,7 @@ class Config:
             raise ValueError(f"model folder {self.model!r} has no config.json")
         self._check_options()
         if self.speculative_config is not None:
-            from nanovllm.speculative.config import SpeculativeConfig  # (speculation's layer: loaded when asked for)
+            from nanovllm.features.speculative.config import SpeculativeConfig  # (speculation's layer: loaded when asked for)
             self.speculative = SpeculativeConfig.parse(self.speculative_config)
         self._check_host_tier()
         if self.device is None:

@@ -19,7 +19,7 @@ class StructuredOutputsParams:
     reasoning_started: the prompt has opened the reasoning block already (a chat template whose
         generation prompt ends with the start tag): the completion begins inside it, and must
         close it before the constrained answer.
-    Decoding is constrained token by token (engine/structured_outputs.py), so the text is valid
+    Decoding is constrained token by token (features/structured_outputs.py), so the text is valid
     by construction unless max_tokens cuts it short (finish_reason "length")."""
     json: dict | str | None = None
     regex: str | None = None

@@ -115,7 +115,7 @@ def main(argv=None):
               f" of {r['prompt_tokens']}; hit rate device {hit:.1%}, host {host_hit:.1%}; copies out "
               f"{r['kv_offloaded_bytes'] / 2**20:.1f} MiB, in {r['kv_reloaded_bytes'] / 2**20:.1f} MiB, "
               f"{r['kv_copy_time_s'] * 1e3:.1f} ms")
-        print(f"      TTFT per turn (ms): " + ", ".join(f"{t:.1f}" for t in r["ttft_ms_per_turn"]))
+        print("      TTFT per turn (ms): " + ", ".join(f"{t:.1f}" for t in r["ttft_ms_per_turn"]))
     ratio = off["prefill_tokens_computed"] / max(on["prefill_tokens_computed"], 1)
     print(f"  prefill tokens computed, off / on: {ratio:.2f}x")
     results["computed_ratio"] = ratio

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (speculative/draft_model.py): greedy output equals plain
+"""Speculative decoding with a draft model (features/speculative/draft_model.py): greedy output equals plain
 decoding token for token, with a draft identical to the target and with a smaller one of its own
 (a narrower embedding table too), under chunked prefill, preemption, small blocks, prefix caching,
 n > 1, stop tokens and streaming; an identical draft has every draft accepted, greedy or sampled,
@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import build_parser
 from nanovllm.entrypoints.args import llm_from_args
-from nanovllm.speculative.rejection_sampler import DRAFT_SALT
+from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT
 from nanovllm.utils.tiny_model import build_model, build_tokenizer
 
 MAX_LEN = 512

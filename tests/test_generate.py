@@ -1,6 +1,5 @@
 """End to end on CPU in float32: greedy output must equal Hugging Face's token for token."""
 import json
-import os
 import shutil
 
 import pytest

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
-from nanovllm.utils.context import Context, get_context
+from nanovllm.utils.context import get_context
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 16, 37, 100, 512])

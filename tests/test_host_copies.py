@@ -8,7 +8,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.host_tier import slot_runs
+from nanovllm.features.host_tier import slot_runs
 from nanovllm.engine.step_batch import StepBatch
 
 SIZE_GIB = 0.001  # 1,073,741 bytes: 131 host blocks of the tiny model's 8 KiB (4 KiB per rank with TP=2)
@@ -204,7 +204,7 @@ def test_good_options(model_dir):
 
 def test_copies_move_through_bounded_staging_chunks(runner, monkeypatch):
     """Many blocks at once move in chunks of host_tier.COPY_STAGING_BYTES, with the same bytes."""
-    import nanovllm.engine.host_tier as host_tier
+    import nanovllm.features.host_tier as host_tier
     monkeypatch.setattr(host_tier, "COPY_STAGING_BYTES", 3 * runner.host_copies.cache[0].nbytes)  # 3 blocks a chunk
     ids, slots = [3, 9, 1, 12, 13, 14, 7, 11], [0, 1, 2, 3, 10, 11, 5, 6]
     before = [block(runner, b) for b in ids]

@@ -1,4 +1,4 @@
-"""Which JSON schema keywords xgrammar enforces (engine/json_schema.py), with the evidence: a grammar
+"""Which JSON schema keywords xgrammar enforces (features/json_schema.py), with the evidence: a grammar
 matcher over the compiled grammar of each schema takes the texts its schema allows and refuses the
 others; for each keyword the check refuses, xgrammar alone lets through a text that breaks it, and
 the check names the keyword and where it stands; the rewrites (oneOf of disjoint branches, enum
@@ -12,8 +12,8 @@ import pytest
 xgr = pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 'structured' extra)")
 jsonschema = pytest.importorskip("jsonschema")
 
-from nanovllm.engine.json_schema import MAX_DEPTH, UnsupportedSchema, check_schema  # noqa: E402
-from nanovllm.engine.structured_outputs import Grammars, json_grammar  # noqa: E402
+from nanovllm.features.json_schema import MAX_DEPTH, UnsupportedSchema, check_schema  # noqa: E402
+from nanovllm.features.structured_outputs import Grammars, json_grammar  # noqa: E402
 from nanovllm.entrypoints.tool_parsers import HermesToolParser  # noqa: E402
 
 SURROGATE = "\ud800".encode("utf-8", "surrogatepass")  # (its 3 bytes are invalid UTF-8)

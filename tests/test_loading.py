@@ -9,7 +9,6 @@ import weakref
 import pytest
 
 from nanovllm import LLM
-from nanovllm.utils.tiny_model import build_model
 
 # Small enough for CPU tests; a checkpoint needs nothing else to load.
 MAX_MODEL_LEN = 64

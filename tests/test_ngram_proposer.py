@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanovllm.speculative.ngram import NgramProposer, TokenBuffer
+from nanovllm.features.speculative.ngram import NgramProposer, TokenBuffer
 
 
 def reference(tokens: list[int], k: int, lo: int, hi: int, max_len: int | None = None) -> list[int]:

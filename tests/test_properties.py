@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import nanovllm.engine.block_manager as block_manager_module
-from nanovllm.speculative.config import SpeculativeConfig
+from nanovllm.features.speculative.config import SpeculativeConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus

@@ -113,7 +113,7 @@ def test_a_constraint_holds_after_the_reasoning_block():
     from transformers import AutoTokenizer
 
     from nanovllm import StructuredOutputsParams
-    from nanovllm.engine.structured_outputs import Grammars
+    from nanovllm.features.structured_outputs import Grammars
     tokenizer = AutoTokenizer.from_pretrained(build_model(tempfile.mkdtemp()))
     grammars = Grammars(tokenizer, 512, {tokenizer.eos_token_id})
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -134,7 +134,7 @@ def test_a_constraint_after_a_block_the_prompt_opened():
     from transformers import AutoTokenizer
 
     from nanovllm import StructuredOutputsParams
-    from nanovllm.engine.structured_outputs import Grammars
+    from nanovllm.features.structured_outputs import Grammars
     tokenizer = AutoTokenizer.from_pretrained(build_model(tempfile.mkdtemp()))
     grammars = Grammars(tokenizer, 512, {tokenizer.eos_token_id})
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -211,7 +211,7 @@ def test_the_reasoning_block_is_part_of_a_constraints_cache_key():
     from transformers import AutoTokenizer
 
     from nanovllm import StructuredOutputsParams
-    from nanovllm.engine.structured_outputs import Grammars
+    from nanovllm.features.structured_outputs import Grammars
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     plain = StructuredOutputsParams(json=schema)
     thinking = StructuredOutputsParams(json=schema, reasoning=("<think>", "</think>"))

@@ -1,4 +1,4 @@
-"""The rejection sampler of speculative decoding (speculative/rejection_sampler.py): greedy rows accept
+"""The rejection sampler of speculative decoding (features/speculative/rejection_sampler.py): greedy rows accept
 while the target's argmax agrees; sampled rows emit tokens distributed exactly as the target's
 processed distribution, whatever the drafts (from a draft model's q or an n-gram), and far from
 the draft's own; outputs are reproducible per request, whatever shares the batch.
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from nanovllm.speculative.rejection_sampler import DRAFT_SALT, target_probs, verify
+from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_probs, verify
 from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_top_k_top_p, sample_from,
                                      uniform_per_row)
 
@@ -162,11 +162,11 @@ def test_without_drafts_a_row_gets_the_plain_samplers_token():
 
 
 def test_filtered_probabilities_equal_the_full_sort_bit_for_bit():
-    """target_probs' filters (speculative/rejection_sampler.filtered) give apply_top_k_top_p then
+    """target_probs' filters (features/speculative/rejection_sampler.filtered) give apply_top_k_top_p then
     apply_min_p exactly, over a vocabulary larger than the candidates: rows the candidates vouch
     for (peaked logits) and rows that fall back to the full sort (flat logits, whose top-p nucleus
     reaches past the candidates), with top-k, top-p and min-p, each alone and mixed per row."""
-    from nanovllm.speculative.rejection_sampler import filtered
+    from nanovllm.features.speculative.rejection_sampler import filtered
     from nanovllm.layers.sampler import NUM_CANDIDATES, filter_candidates
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 5000, 24

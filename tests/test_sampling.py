@@ -8,8 +8,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers import sampler as sampler_module
-from nanovllm.layers import logits_processors
-from nanovllm.layers.logits_processors import ProcessorTensors, apply_penalties
+from nanovllm.features import logits_processors
+from nanovllm.features.logits_processors import ProcessorTensors, apply_penalties
 from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_top_k_top_p, filter_candidates,
                                      sample_filtered, sample_from, uniform_per_row)
 

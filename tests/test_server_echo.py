@@ -119,7 +119,7 @@ def test_each_choice_echoes_its_own_prompt_with_several_prompts_and_n(server):
     choices = sorted(response.json()["choices"], key=itemgetter("index"))
     assert len(choices) == n * len(prompts)
     for c, choice in enumerate(choices):
-        prompt, own = prompts[c // n], alone[c // n]["choices"][0]["logprobs"]
+        own = alone[c // n]["choices"][0]["logprobs"]
         lp, k = choice["logprobs"], len(prompts[c // n])
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == k + 1, c
         assert lp["tokens"][:k] == own["tokens"][:k] and lp["text_offset"][:k] == own["text_offset"][:k], c

@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (n-gram drafts, verified by speculative/rejection_sampler.py):
+"""Speculative decoding in the engine (n-gram drafts, verified by features/speculative/rejection_sampler.py):
 greedy output equals plain decoding token for token, with chunked prefill, preemption, small
 blocks, prefix caching, n > 1, stop tokens and strings, logprobs and streaming; blocks holding
 unverified tokens are never published; seeded sampling stays reproducible whatever the batch;
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-import nanovllm.speculative.scheduling as speculation_module
+import nanovllm.features.speculative.scheduling as speculation_module
 from nanovllm import LLM, SamplingParams
 from nanovllm.cli import build_parser
-from nanovllm.speculative.policy import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
+from nanovllm.features.speculative.policy import COMPUTE_BOUND_BATCH, PROBE_AFTER, draft_limit
 from nanovllm.entrypoints.args import llm_from_args
 
 MAX_LEN = 512

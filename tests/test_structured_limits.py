@@ -16,7 +16,7 @@ pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 's
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanovllm.engine import structured_outputs  # noqa: E402
-from nanovllm.engine.structured_outputs import MAX_CONSTRAINT_CHARS, MAX_JSON_NESTING, grammar_threads  # noqa: E402
+from nanovllm.features.structured_outputs import MAX_CONSTRAINT_CHARS, MAX_JSON_NESTING, grammar_threads  # noqa: E402
 from nanovllm.entrypoints.async_engine import AsyncEngine, ShuttingDown  # noqa: E402
 
 PROMPT = [5, 17, 33, 2, 9]

@@ -1,4 +1,4 @@
-"""Structured outputs (SamplingParams.structured_outputs, engine/structured_outputs.py): a
+"""Structured outputs (SamplingParams.structured_outputs, features/structured_outputs.py): a
 random-weight model constrained by a JSON schema, a regex, a choice or a grammar emits text that
 satisfies it, for many random schemas (nested objects, bounded arrays, enums, anyOf), sampled and
 greedy, alone and mixed in one batch with unconstrained requests, whose outputs do not change;
@@ -156,7 +156,7 @@ APPLICATORS = ["allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependen
 
 def refused_by_name(schema, message: str) -> bool:
     """Whether message names a keyword of the vocabularies that schema holds where it says."""
-    from nanovllm.engine.json_schema import DISPATCHERS, KEYWORDS
+    from nanovllm.features.json_schema import DISPATCHERS, KEYWORDS
     if schema is False:
         return "the schema is false" in message
     found = re.search(r"the keyword '([^']+)' \(at ([^)]*)\)", message)

@@ -16,7 +16,7 @@ import numpy as np
 from nanovllm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from nanovllm.layers.logits_processors import ProcessorInputs
+    from nanovllm.features.logits_processors import ProcessorInputs
 
 
 class Need(IntFlag):
@@ -30,7 +30,7 @@ class Need(IntFlag):
     LOGPROBS = 32
     GRAMMAR = 64     # structured outputs: a mask of the tokens its grammar allows
     BIAS = 128       # logit_bias or allowed_token_ids
-    PROCESSORS = PENALTIES | MIN_TOKENS | GRAMMAR | BIAS  # logits processors (layers/logits_processors.py)
+    PROCESSORS = PENALTIES | MIN_TOKENS | GRAMMAR | BIAS  # logits processors (features/logits_processors.py)
 
 
 def needs_of(params) -> Need:
@@ -123,7 +123,7 @@ class BatchState:
         if needs & Need.LOGPROBS:
             inputs.num_logprobs = [seq.sampling_params.logprobs for seq in seqs]
         if needs & Need.PROCESSORS:
-            from nanovllm.layers.logits_processors import processor_inputs  # (their layer: loaded when used)
+            from nanovllm.features.logits_processors import processor_inputs  # (their layer: loaded when used)
             inputs.processors = processor_inputs(self, rows, positions, seqs, bool(needs & Need.PENALTIES),
                                                  bool(needs & Need.MIN_TOKENS), bool(needs & Need.GRAMMAR),
                                                  bool(needs & Need.BIAS))

@@ -8,7 +8,7 @@ import xxhash
 from nanovllm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from nanovllm.engine.host_tier import HostEntry
+    from nanovllm.features.host_tier import HostEntry
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
@@ -22,8 +22,8 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
 
 
 def host_tier(num_slots: int):
-    """The host tier of the prefix cache (engine/host_tier.py: a layer, loaded when one is asked for)."""
-    from nanovllm.engine.host_tier import HostTier
+    """The host tier of the prefix cache (features/host_tier.py: a layer, loaded when one is asked for)."""
+    from nanovllm.features.host_tier import HostTier
     return HostTier(num_slots)
 
 
@@ -53,7 +53,7 @@ class BlockManager:
     contents until it is handed out again, so a later request with the same prefix can revive it.
     Free blocks are handed out least recently freed first (`self.free` is kept in that order).
 
-    With a host tier (num_host_blocks > 0, engine/host_tier.py) a cached block about to be handed
+    With a host tier (num_host_blocks > 0, features/host_tier.py) a cached block about to be handed
     out is first copied to the host (write-back on eviction), and a lookup that misses on the
     device continues there: a host hit is copied back into a freshly allocated device block before
     the step runs. The copies a step needs are queued in `offloads` (device block -> host slot)

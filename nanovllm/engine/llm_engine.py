@@ -59,7 +59,7 @@ NO_COPIES = {"offloaded_bytes": 0, "reloaded_bytes": 0, "copy_time_s": 0.0}  # s
 
 
 class SpecCounts:
-    """stats()' speculative counts without speculative decoding (speculative/policy.py's SpecStats: with)."""
+    """stats()' speculative counts without speculative decoding (features/speculative/policy.py's SpecStats: with)."""
     num_drafts = num_draft_tokens = num_accepted_tokens = 0
     accepted_per_position = ()
 
@@ -90,7 +90,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         runner_class = ModelRunner
         if config.speculative is not None:  # the runner with the draft model and the verify step
-            from nanovllm.speculative.runner import SpeculativeRunner  # (speculation's layer: loaded when asked for)
+            from nanovllm.features.speculative.runner import SpeculativeRunner  # (speculation's layer: loaded when asked for)
             runner_class = SpeculativeRunner
         workers = None
         if config.tensor_parallel_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
@@ -162,14 +162,14 @@ class LLMEngine:
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
-        """Chat messages as prompt token ids (engine/chat_template.py's render_chat)."""
-        from nanovllm.engine.chat_template import render_chat  # (chat's: loaded at the first chat request)
+        """Chat messages as prompt token ids (features/chat_template.py's render_chat)."""
+        from nanovllm.features.chat_template import render_chat  # (chat's: loaded at the first chat request)
         text = render_chat(self.tokenizer, self.config.model, messages, tools, template_kwargs)
         return self._encode_text(text, add_special_tokens=False)  # (the template has any BOS already)
 
     def check_chat_template_kwargs(self, template_kwargs: dict):
         """A ValueError unless each key is a chat template variable a request may set (chat_template.py)."""
-        from nanovllm.engine.chat_template import check_template_kwargs  # (chat's: loaded when used)
+        from nanovllm.features.chat_template import check_template_kwargs  # (chat's: loaded when used)
         check_template_kwargs(self.tokenizer, self.config.model, template_kwargs)
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -246,7 +246,7 @@ class LLMEngine:
         (any thread)."""
         if self.tokenizer is None:
             raise ValueError(f"structured_outputs need a tokenizer, and {self.config.model!r} has none")
-        from nanovllm.engine.structured_outputs import Grammars  # (structured outputs' layer: loaded when used)
+        from nanovllm.features.structured_outputs import Grammars  # (structured outputs' layer: loaded when used)
         with self._grammars_lock:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
@@ -315,7 +315,7 @@ class LLMEngine:
             self.scheduler.correct(done.step, done.sampled.corrected, tokens,
                                    self.in_flight.step if self.in_flight is not None else None)
         if done.sampled.prompt_logprobs:
-            from nanovllm.engine.prompt_logprobs import collect  # (prompt logprobs' layer: loaded when used)
+            from nanovllm.features.prompt_logprobs import collect  # (prompt logprobs' layer: loaded when used)
             collect(done.step.seqs, done.sampled.prompt_logprobs)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
         if launched is not None and launched.deferred is not None:  # its masks can be built now
@@ -464,7 +464,7 @@ class LLMEngine:
         self.shutdown()
 
     def attach_recorder(self, recorder):
-        """Record every step from now on (bench.py: engine/recorder.py's StepRecorder); None detaches."""
+        """Record every step from now on (bench.py: features/recorder.py's StepRecorder); None detaches."""
         self.recorder = recorder
         self.model_runner.attach_recorder(recorder)
 

@@ -157,7 +157,7 @@ class ModelRunner:
         self.workers = workers  # rank 0 with tensor parallelism: the processes of ranks 1..
         self.group = group
         self.rank = group.rank if group is not None else 0
-        self.recorder = None    # bench.py's StepRecorder, when attached (engine/recorder.py)
+        self.recorder = None    # bench.py's StepRecorder, when attached (features/recorder.py)
         self.last_message_bytes = 0
         try:
             self._build(config)
@@ -168,9 +168,9 @@ class ModelRunner:
     def _build(self, config: Config):
         self._load(config)
         self.num_kv_blocks = self._allocate_kv_cache()
-        self.host_copies = None  # the host tier's copies (engine/host_tier.py), when kv_offloading_size asks
+        self.host_copies = None  # the host tier's copies (features/host_tier.py), when kv_offloading_size asks
         if config.kv_offloading_size:
-            from nanovllm.engine.host_tier import HostCopies  # (the host tier's layer: loaded when asked for)
+            from nanovllm.features.host_tier import HostCopies  # (the host tier's layer: loaded when asked for)
             self.host_copies = HostCopies(config, self.kv_cache, self.kv_block_bytes(), self._smallest_over_ranks)
         self.num_host_blocks = self.host_copies.num_blocks if self.host_copies is not None else 0
         self._capture(config)
@@ -389,7 +389,7 @@ class ModelRunner:
                 hidden = model(inputs.input_ids, inputs.positions)
             logits = model.compute_logits(hidden) if batch.samples.any() else None
         if batch.prompt_logprobs and model is self.model:  # (an observer of the forward)
-            from nanovllm.engine.prompt_logprobs import prompt_logprobs  # (prompt logprobs' layer: loaded when used)
+            from nanovllm.features.prompt_logprobs import prompt_logprobs  # (prompt logprobs' layer: loaded when used)
             inputs.prompt_logprobs = prompt_logprobs(self.model, self.token_table, hidden, batch, inputs.context,
                                                      self.rank)
         return logits, inputs
@@ -508,7 +508,7 @@ class ModelRunner:
     def sampling_batch(self, inputs: SamplingInputs, vocab_size: int) -> SamplingBatch:
         """The step's sampling parameters as device tensors, [S] each: one copy of the int64 ones
         and one of the float32 ones, holding only what some row of the batch uses (and the logits
-        processors', layers/logits_processors.py, when a row has one)."""
+        processors', features/logits_processors.py, when a row has one)."""
         needs = inputs.needs
         ints, floats = {}, {}
         if needs & Need.RANDOM:  # the noise: a function of (seed, position)
@@ -524,7 +524,7 @@ class ModelRunner:
         if needs & Need.LOGPROBS:
             batch.num_logprobs = max(k for k in inputs.num_logprobs if k is not None)
         if inputs.processors is not None:
-            from nanovllm.layers.logits_processors import processor_tensors  # (their layer: loaded when used)
+            from nanovllm.features.logits_processors import processor_tensors  # (their layer: loaded when used)
             batch.processors = processor_tensors(inputs.processors, inputs.rows, inputs.positions, self.token_table,
                                                  vocab_size)
         return batch
@@ -536,8 +536,18 @@ class ModelRunner:
         stacked = to_device(np.stack([a.astype(dtype, copy=False) for a in arrays.values()]), self.device)
         return dict(zip(arrays, stacked))
 
+    def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
+        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a list of a
+        CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank
+        0 has run it too)."""
+        if self.workers is not None:
+            self.workers.call("gather_blocks", block_ids, slots)
+        both = self.host_copies.gather(block_ids, slots)
+        parts = self.group.gather(both) if self.group is not None else [both]
+        return [p.cpu() for p in parts] if parts is not None else None
+
     def attach_recorder(self, recorder):
-        """Time every step's device work from now on (engine/recorder.py's StepRecorder); None detaches."""
+        """Time every step's device work from now on (features/recorder.py's StepRecorder); None detaches."""
         self.recorder = recorder
 
     def close(self):

@@ -101,9 +101,9 @@ class Scheduler:
         # partial block is recomputed); "recompute": they stay cached until reused
         self.swap_on_preemption = config.preemption_mode == "swap"
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
-        self.speculation = None  # speculative decoding's hook (speculative/scheduling.py), when asked for
+        self.speculation = None  # speculative decoding's hook (features/speculative/scheduling.py), when asked for
         if config.speculative is not None:
-            from nanovllm.speculative.scheduling import Speculation  # (speculation's layer: loaded when asked for)
+            from nanovllm.features.speculative.scheduling import Speculation  # (speculation's layer: loaded when asked for)
             self.speculation = Speculation(config)
 
     def add(self, seq: Sequence):
@@ -202,7 +202,7 @@ class Scheduler:
         if seq.forks and end >= seq.num_prompt_tokens:
             step.forking.append(seq)
         if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:
-            from nanovllm.engine.prompt_logprobs import want  # (prompt logprobs' layer: loaded when used)
+            from nanovllm.features.prompt_logprobs import want  # (prompt logprobs' layer: loaded when used)
             want(step.prompt_logprobs, len(step.seqs) - 1, seq, start, end)
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:

@@ -67,7 +67,7 @@ class Sequence:
         self.arrival_time = perf_counter()     # perf_counter() seconds
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.spec = None                       # speculative decoding's state of it (speculative/scheduling.py)
+        self.spec = None                       # speculative decoding's state of it (features/speculative/scheduling.py)
         self.matcher = None                    # structured outputs: its grammar's state (the engine's, at creation)
         # per prompt token, its logprob dict (None for the first); the first sample's alone
         self.prompt_logprobs = [None] if sampling_params.prompt_logprobs is not None and sample_index == 0 else None

@@ -42,7 +42,7 @@ from nanovllm.engine.llm_engine import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDead, QueueFull, ShuttingDown, TooLarge,
                                                updates)
-from nanovllm.engine.structured_outputs import grammar_threads, import_xgrammar
+from nanovllm.features.structured_outputs import grammar_threads, import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
 from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS

@@ -28,7 +28,7 @@ from typing import Protocol
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.structured_outputs import COMPILE_TIMEOUT_S, POLL_S, overdue
+from nanovllm.features.structured_outputs import COMPILE_TIMEOUT_S, POLL_S, overdue
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, TypeAdapter, ValidationError,
                       WithJsonSchema)
 
-from nanovllm.engine.structured_outputs import check_length, check_schema_size, xgrammar_message
+from nanovllm.features.structured_outputs import check_length, check_schema_size, xgrammar_message
 from nanovllm.entrypoints.reasoning_parsers import PROMPT_TAIL_TOKENS
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -14,8 +14,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from nanovllm.engine.json_schema import check_schema, rebase_refs
-from nanovllm.engine.structured_outputs import json_grammar
+from nanovllm.features.json_schema import check_schema, rebase_refs
+from nanovllm.features.structured_outputs import json_grammar
 from nanovllm.entrypoints.reasoning_parsers import cut_tag
 
 

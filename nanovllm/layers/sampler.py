@@ -224,11 +224,11 @@ class SamplingBatch:
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The float32 logits after the batch's logits processors (grammars, allowed_token_ids,
-    logit_bias, penalties, min_tokens: layers/logits_processors.py): what greedy takes the argmax
+    logit_bias, penalties, min_tokens: features/logits_processors.py): what greedy takes the argmax
     of, and temperature scales (the rejection sampler's target distribution too)."""
     if batch.processors is None:
         return logits
-    from nanovllm.layers.logits_processors import apply  # (their layer: loaded with the first row that has one)
+    from nanovllm.features.logits_processors import apply  # (their layer: loaded with the first row that has one)
     return apply(logits, batch.processors)
 
 

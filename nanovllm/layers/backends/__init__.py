@@ -16,7 +16,6 @@ torch       plain PyTorch, any device: the reference the others are tested again
 import importlib.util
 
 from nanovllm.layers.backends.torch_ref import TorchBackend
-from nanovllm.utils.triton_mode import import_kernels
 
 BACKENDS = ("flash_attn", "triton", "torch")
 # Backends whose kernels read an fp8 KV cache with our per-layer scales. flash-attn 2's paged
@@ -60,6 +59,8 @@ def get_backend(name: str, device: str):
         return FlashAttnBackend
     if name == "triton":
         # Interpreted on CPU, compiled on CUDA; Triton has one mode per process, so an engine that
-        # needs the other one than an earlier engine of the process is refused (utils/triton_mode.py)
+        # needs the other one than an earlier engine of the process is refused (utils/triton_mode.py,
+        # loaded here: the torch backend needs no Triton)
+        from nanovllm.utils.triton_mode import import_kernels
         return import_kernels("nanovllm.layers.backends.triton_attn", device, "attention_backend='triton'").TritonBackend
     return TorchBackend

@@ -1,6 +1,6 @@
 """Speculative decoding's bookkeeping on the host: how many drafts a sequence should verify
 (draft_limit, the adaptive policy) and the counts vLLM reports (SpecStats). The drafts themselves
-come from speculative/ngram.py; the verification is speculative/rejection_sampler.py's; the
+come from features/speculative/ngram.py; the verification is features/speculative/rejection_sampler.py's; the
 scheduler runs them (Scheduler._drafts, Scheduler._complete_verified)."""
 
 

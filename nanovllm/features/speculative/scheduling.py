@@ -6,8 +6,8 @@ import numpy as np
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import StepBatch, expand_runs
-from nanovllm.speculative.ngram import NgramProposer, TokenBuffer
-from nanovllm.speculative.policy import ACCEPTANCE_MEMORY, SpecStats, draft_limit
+from nanovllm.features.speculative.ngram import NgramProposer, TokenBuffer
+from nanovllm.features.speculative.policy import ACCEPTANCE_MEMORY, SpecStats, draft_limit
 
 
 class SpecState:

@@ -28,7 +28,7 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.quantization import QuantizationConfig, quantization_scope
-from nanovllm.speculative.rejection_sampler import DRAFT_SALT, target_probs
+from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_probs
 from nanovllm.layers.sampler import sample_from, uniform_per_row
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import default_dtype_and_device

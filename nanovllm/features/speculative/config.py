@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models import resolve_model_class
-from nanovllm.speculative.ngram import NgramProposer
+from nanovllm.features.speculative.ngram import NgramProposer
 from nanovllm.utils.hub import resolve_model
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

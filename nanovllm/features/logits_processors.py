@@ -138,7 +138,7 @@ def apply(logits: torch.Tensor, p: ProcessorTensors) -> torch.Tensor:
     out at -inf, logit_bias added, the penalties applied and the banned tokens (min_tokens) at
     -inf. The logits given are left as they are."""
     if p.bitmask is not None:
-        from nanovllm.engine.structured_outputs import apply_bitmask  # (structured outputs' layer, loaded with them)
+        from nanovllm.features.structured_outputs import apply_bitmask  # (structured outputs' layer, loaded with them)
         logits = apply_bitmask(logits, *p.bitmask)
     if p.allowed is not None:
         rows, ids = p.allowed

@@ -17,8 +17,8 @@ from nanovllm.engine.cuda_graphs import DecodeGraphs, padded_batch_size
 from nanovllm.engine.model_runner import DeferredSampling, ModelRunner, StepLayout
 from nanovllm.utils.context import to_device
 from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
-from nanovllm.speculative.draft_model import DraftModel
-from nanovllm.speculative.rejection_sampler import target_probs, verify
+from nanovllm.features.speculative.draft_model import DraftModel
+from nanovllm.features.speculative.rejection_sampler import target_probs, verify
 
 
 class VerifiedTokens:

@@ -39,7 +39,7 @@ from queue import Empty, SimpleQueue
 import numpy as np
 import torch
 
-from nanovllm.engine.json_schema import UnsupportedSchema, check_schema
+from nanovllm.features.json_schema import UnsupportedSchema, check_schema
 from nanovllm.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0   # a grammar whose own compile takes longer fails its request (not its wait behind others)
