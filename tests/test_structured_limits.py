@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (the 'structured' extra)")
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from nanovllm.engine import structured_outputs  # noqa: E402
+from nanovllm.features import structured_outputs  # noqa: E402
 from nanovllm.features.structured_outputs import MAX_CONSTRAINT_CHARS, MAX_JSON_NESTING, grammar_threads  # noqa: E402
 from nanovllm.entrypoints.async_engine import AsyncEngine, ShuttingDown  # noqa: E402
 
