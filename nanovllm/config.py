@@ -114,7 +114,7 @@ class Config:
             raise ValueError(f"model folder {self.model!r} has no config.json")
         self._check_options()
         if self.speculative_config is not None:
-            from nanovllm.features.speculative.config import SpeculativeConfig  # (speculation's layer: loaded when asked for)
+            from nanovllm.features.speculative.config import SpeculativeConfig  # (a layer: loaded when asked for)
             self.speculative = SpeculativeConfig.parse(self.speculative_config)
         self._check_host_tier()
         if self.device is None:

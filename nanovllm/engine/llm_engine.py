@@ -90,7 +90,7 @@ class LLMEngine:
         self.eos_token_ids = eos
         runner_class = ModelRunner
         if config.speculative is not None:  # the runner with the draft model and the verify step
-            from nanovllm.features.speculative.runner import SpeculativeRunner  # (speculation's layer: loaded when asked for)
+            from nanovllm.features.speculative.runner import SpeculativeRunner  # (a layer: loaded when asked for)
             runner_class = SpeculativeRunner
         workers = None
         if config.tensor_parallel_size > 1:  # ranks 1.. in processes of their own, each with a runner_class

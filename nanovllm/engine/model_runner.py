@@ -375,7 +375,8 @@ class ModelRunner:
         if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
             self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)
 
-    def run(self, batch: StepBatch, model, graphs: DecodeGraphs | None) -> tuple[torch.Tensor | None, StepInputs | None]:
+    def run(self, batch: StepBatch, model, graphs: DecodeGraphs | None
+            ) -> tuple[torch.Tensor | None, StepInputs | None]:
         """The forward of a step through model (the target, or the draft model with its graphs),
         and its logits on rank 0 when a sequence samples (else None). A step of no sequences (only
         table writes, and the host tier's copies before them) runs nothing: (None, None)."""
@@ -512,7 +513,8 @@ class ModelRunner:
         needs = inputs.needs
         ints, floats = {}, {}
         if needs & Need.RANDOM:  # the noise: a function of (seed, position)
-            ints["positions"], ints["seeds"], floats["temperatures"] = inputs.positions, inputs.seeds, inputs.temperatures
+            ints["positions"], ints["seeds"] = inputs.positions, inputs.seeds
+            floats["temperatures"] = inputs.temperatures
         if needs & Need.FILTERS:
             ints["top_ks"], floats["top_ps"] = inputs.top_ks, inputs.top_ps
         if needs & Need.MIN_P:

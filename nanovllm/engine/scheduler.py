@@ -103,7 +103,7 @@ class Scheduler:
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
         self.speculation = None  # speculative decoding's hook (features/speculative/scheduling.py), when asked for
         if config.speculative is not None:
-            from nanovllm.features.speculative.scheduling import Speculation  # (speculation's layer: loaded when asked for)
+            from nanovllm.features.speculative.scheduling import Speculation  # (a layer: loaded when asked for)
             self.speculation = Speculation(config)
 
     def add(self, seq: Sequence):

@@ -1,7 +1,7 @@
 """Speculative decoding's bookkeeping on the host: how many drafts a sequence should verify
 (draft_limit, the adaptive policy) and the counts vLLM reports (SpecStats). The drafts themselves
-come from features/speculative/ngram.py; the verification is features/speculative/rejection_sampler.py's; the
-scheduler runs them (Scheduler._drafts, Scheduler._complete_verified)."""
+come from ngram.py or draft_model.py; the verification is rejection_sampler.py's; the scheduler
+runs them through its speculation hook (scheduling.py: Speculation.propose, .complete)."""
 
 
 # Adaptive speculation (draft_limit): how acceptance is remembered, when drafting stops paying, and
