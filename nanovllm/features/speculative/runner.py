@@ -16,9 +16,10 @@ from nanovllm.engine.batch_state import SamplingInputs
 from nanovllm.engine.cuda_graphs import DecodeGraphs, padded_batch_size
 from nanovllm.engine.model_runner import DeferredSampling, ModelRunner, StepLayout
 from nanovllm.utils.context import to_device
-from nanovllm.engine.step_batch import StepBatch, draft_slots, expand_runs
+from nanovllm.engine.step_batch import StepBatch
 from nanovllm.features.speculative.draft_model import DraftModel
 from nanovllm.features.speculative.rejection_sampler import target_probs, verify
+from nanovllm.features.speculative.scheduling import draft_slots, expand_runs
 
 
 class VerifiedTokens:

@@ -5,9 +5,24 @@ after them, and rolls back the rest (Sequence.rollback)."""
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_batch import StepBatch, expand_runs
+from nanovllm.engine.step_batch import StepBatch
 from nanovllm.features.speculative.ngram import NgramProposer, TokenBuffer
 from nanovllm.features.speculative.policy import ACCEPTANCE_MEMORY, SpecStats, draft_limit
+
+
+def expand_runs(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """firsts[i], firsts[i] + 1, ..., counts[i] values from each, back to back: the indices of
+    runs (a speculative step's rows of each sequence). [N] int64 each -> [sum(counts)] int64."""
+    counts = counts.astype(np.int64)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(firsts.astype(np.int64), counts) + offsets
+
+
+def draft_slots(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, position) of every draft token of a speculative step, [sum(num_drafts)] int64
+    each, in step order: a drafting sequence computes its last token, then its drafts."""
+    drafts = batch.num_drafts.astype(np.int64)
+    return np.repeat(batch.rows.astype(np.int64), drafts), expand_runs(batch.starts.astype(np.int64) + 1, drafts)
 
 
 class SpecState:
