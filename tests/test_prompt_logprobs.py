@@ -67,3 +67,26 @@ def test_bad_values():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(TypeError, match="prompt_logprobs must be an int"):
         SamplingParams(prompt_logprobs=1.5)
+
+
+def test_beside_a_speculative_decode(model_dir, hf_logprobs):
+    """A prompt whose logprobs are asked for, prefilled in the same step as a sequence verifying
+    its drafts (n-gram speculation): the verify step keeps the step's prompt logprobs too."""
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(model_dir, max_model_len=256, speculative_config=speculative) as llm:
+        mixed, schedule = [], llm.scheduler.schedule
+
+        def recording():
+            step = schedule()
+            if step is not None and step.drafts and step.prompt_logprobs:
+                mixed.append(step)
+            return step
+        llm.scheduler.schedule = recording
+        looping = llm.add_request([7, 8, 9] * 10, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+        while not looping.spec or not looping.spec.draft_tokens:
+            llm.step()  # until it drafts
+        asking = llm.add_request(PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+        while not asking.is_finished:
+            llm.step()
+        assert mixed, "no step verified drafts beside a prompt chunk: the test tests nothing"
+        check(asking.prompt_logprobs, PROMPT, hf_logprobs(PROMPT), 2)

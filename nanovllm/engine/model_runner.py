@@ -354,17 +354,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, step: "DeferredSampling", sampling: SamplingInputs) -> SampledTokens:
-        """Queue a launched step's sampling (rank 0), after its forward."""
-        batch, logits, inputs = step.batch, step.logits, step.inputs
-        out = SampledTokens()
-        if logits is not None:
-            tokens, logprobs, redo = self.sampler.forward(logits, self.sampling_batch(sampling, logits.shape[-1]))
-            self._keep_sampled(tokens, inputs)
-            out = SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
-        out.prompt_logprobs = inputs.prompt_logprobs if inputs is not None else None
+        """Queue a launched step's sampling (rank 0), after its forward; the step's prompt
+        logprobs (prompt_logprobs.py) ride along with its tokens."""
+        out = self._draw(step, sampling) if step.logits is not None else SampledTokens()
+        out.prompt_logprobs = step.inputs.prompt_logprobs if step.inputs is not None else None
         if self.recorder is not None:
-            self.recorder.device_step_ended(batch)
+            self.recorder.device_step_ended(step.batch)
         return out
+
+    def _draw(self, step: "DeferredSampling", sampling: SamplingInputs) -> SampledTokens:
+        """The sampler's tokens for the step's logits, written into the token table."""
+        tokens, logprobs, redo = self.sampler.forward(step.logits, self.sampling_batch(sampling, step.logits.shape[-1]))
+        self._keep_sampled(tokens, step.inputs)
+        return SampledTokens(tokens, logprobs, sampling.num_logprobs, redo)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch):

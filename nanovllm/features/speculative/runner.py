@@ -106,13 +106,11 @@ class SpeculativeRunner(ModelRunner):
         logits, inputs = self.run(batch, self.model, self.graphs)
         return DraftedStep(batch, logits, inputs, draft_probs)
 
-    def sample(self, step: DraftedStep, sampling: SamplingInputs):
-        if step.logits is None or step.batch.num_drafts is None:
-            return super().sample(step, sampling)
-        out = self._verify(step.batch, step.logits, sampling, step.draft_probs)
-        if self.recorder is not None:
-            self.recorder.device_step_ended(step.batch)
-        return out
+    def _draw(self, step: DraftedStep, sampling: SamplingInputs):
+        """A step with drafts: the verify step in place of the sampler's draw."""
+        if step.batch.num_drafts is None:
+            return super()._draw(step, sampling)
+        return self._verify(step.batch, step.logits, sampling, step.draft_probs)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch):
