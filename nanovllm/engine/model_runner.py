@@ -339,13 +339,18 @@ class ModelRunner:
         if self.recorder is not None:
             self.recorder.device_step_started()
         try:
-            if self.host_copies is not None:  # (first: the forward may read what they bring)
-                self.host_copies.copy(batch.offloads, batch.reloads)
+            self._copy_host_blocks(batch)
             forward = self._forward(batch, sampling)
         except BaseException:  # e.g. Ctrl-C mid-step: with workers, the ranks are out of step for good
             self.close()
             raise
         return forward if defer_sampling else self.sample(forward, sampling)
+
+    def _copy_host_blocks(self, batch: StepBatch):
+        """The host tier's copies of the step (features/host_tier.py), on every rank before its
+        forward: the forward may read what they bring."""
+        if self.host_copies is not None:
+            self.host_copies.copy(batch.offloads, batch.reloads)
 
     def _forward(self, batch: StepBatch, sampling: SamplingInputs) -> "DeferredSampling":
         """The step's forward through the model (rank 0), its sampling not queued yet."""
@@ -371,8 +376,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: StepBatch):
         """Ranks above 0: their share of a step (rank 0 runs it through launch())."""
-        if self.host_copies is not None:
-            self.host_copies.copy(batch.offloads, batch.reloads)
+        self._copy_host_blocks(batch)
         _, inputs = self.run(batch, self.model, self.graphs)
         if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
             self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)

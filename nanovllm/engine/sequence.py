@@ -25,7 +25,7 @@ class Sequence:
     A step computes positions num_computed_tokens .. num_computed_tokens + n - 1 of it, and samples
     a token exactly when that brings num_computed_tokens up to num_tokens (the end of its prefill,
     or any decode step). These, its status and its finish reason change only in the methods below
-    (admit, advance, rollback, append, truncate, evict, finish): grep finds every write.
+    (admit, advance, rollback, append_each, truncate, evict, finish): grep finds every write.
 
     While running it holds a `row` of the batch (engine/batch_state.py): the row of its tokens in
     the device's token table, of its block table on every rank, and of its sampling parameters.
@@ -123,16 +123,10 @@ class Sequence:
         self.num_computed_tokens -= num
         self.num_tokens -= num
 
-    def append(self, token: int, now: float):
-        """The id of a token it sampled reached the host."""
-        self.token_ids.append(token)
-        if self.first_token_time is None:
-            self.first_token_time = now
-
     @staticmethod
     def append_each(seqs: list["Sequence"], tokens: list[int], now: float):
-        """append() for each of a step's sequences, one loop (a method call per sequence costs
-        ~10 µs in a 256-sequence decode step: scripts/bench_host.py)."""
+        """The ids of tokens they sampled reached the host: one per sequence, in one loop (a method
+        call per sequence costs ~10 µs in a 256-sequence decode step: scripts/bench_host.py)."""
         for seq, token in zip(seqs, tokens):
             seq.token_ids.append(token)
             if seq.first_token_time is None:

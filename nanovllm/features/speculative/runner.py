@@ -79,7 +79,8 @@ class SpeculativeRunner(ModelRunner):
             self.drafter.capture_graphs(self, show_progress=True)  # (kept by the draft model)
 
     def _probe_graphs(self) -> list[DecodeGraphs]:
-        graphs = super()._probe_graphs() + [self._capture_graphs(True, 1 + self.config.speculative.num_speculative_tokens)]
+        k = self.config.speculative.num_speculative_tokens
+        graphs = super()._probe_graphs() + [self._capture_graphs(largest_only=True, query_len=1 + k)]
         if self.drafter is not None:
             graphs.append(self.drafter.capture_graphs(self, largest_only=True))
         return graphs
@@ -117,8 +118,7 @@ class SpeculativeRunner(ModelRunner):
         """Ranks above 0: as ModelRunner's, with rank 0's drafts and verified tokens."""
         if batch.num_drafts is None:
             return super().execute(batch)
-        if self.host_copies is not None:
-            self.host_copies.copy(batch.offloads, batch.reloads)
+        self._copy_host_blocks(batch)
         if not batch.draft_tokens:  # rank 0's draft model drafted them
             self.prepare(replace(batch, rows=batch.rows[:0]), None)  # (this step's table writes first)
             batch = replace(batch, new_blocks=[], new_tokens=[], fixed_tokens=[])
