@@ -8,12 +8,12 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.layers.backends import resolve_backend
-from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.hub import resolve_model
 
 if TYPE_CHECKING:
     from nanovllm.features.speculative.config import SpeculativeConfig
+    from nanovllm.layers.quantization import QuantizationConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
@@ -95,7 +95,7 @@ class Config:
     kv_offloading_size: float = 0
     preemption_mode: str = "recompute"
     speculative: "SpeculativeConfig | None" = field(init=False, default=None)
-    quant_config: QuantizationConfig | None = field(init=False, default=None)
+    quant_config: "QuantizationConfig | None" = field(init=False, default=None)
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: set[int] = field(init=False, repr=False)
@@ -177,7 +177,9 @@ class Config:
             read_generation_config(self.model).get("eos_token_id"), GENERATION_CONFIG)
         # ValueError for an unsupported architecture or option (a sliding window < max_model_len)
         resolve_model_class(self.hf_config, self.max_model_len)
-        self.quant_config = QuantizationConfig.resolve(self.quantization, self.hf_config)
+        if self.quantization is not None or getattr(self.hf_config, "quantization_config", None) is not None:
+            from nanovllm.layers.quantization import QuantizationConfig  # (quantization's layer: loaded when asked for)
+            self.quant_config = QuantizationConfig.resolve(self.quantization, self.hf_config)
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.draft_hf_config = self.speculative.draft_hf_config(self.hf_config, self.max_model_len)
 

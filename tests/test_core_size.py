@@ -13,13 +13,12 @@ import core_lines  # noqa: E402
 
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
 # 30); this is the figure as it stands, so that growth is a decision, not a drift.
-CORE_LINE_BUDGET = 4520
+CORE_LINE_BUDGET = 4375
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
-# recorder), MoE and quantized GEMMs, the mixture-of-experts families, the server.
-OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization.fp8",
-                   "nanovllm.layers.quantization.awq", "nanovllm.models.sparse", "nanovllm.models.mixtral",
-                   "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers")
+# recorder), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the mixture-of-experts families, the server.
+OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization", "nanovllm.models.sparse",
+                   "nanovllm.models.mixtral", "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

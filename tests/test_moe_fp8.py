@@ -25,7 +25,8 @@ if not torch.cuda.is_available():
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.layers.moe import FusedExperts, route, torch_experts  # noqa: E402
-from nanovllm.layers.quantization import QuantizationConfig, fp8, quantization_scope  # noqa: E402
+from nanovllm.layers.linear import quantization_scope  # noqa: E402
+from nanovllm.layers.quantization import QuantizationConfig, fp8  # noqa: E402
 from nanovllm.models.mixtral import MixtralForCausalLM  # noqa: E402
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from nanovllm.models.sparse import num_experts_of  # noqa: E402

@@ -12,7 +12,7 @@ from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_in
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
-from nanovllm.layers.quantization import quantization_scope
+from nanovllm.layers.linear import quantization_scope
 from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device

@@ -11,15 +11,75 @@ creates its parameters and applies them; unquantized, it holds `weight` [out, in
 F.linear. Either way the loaders slice in features: each parameter's `Axes` say which of its axes
 holds the output and input features, and how many features one stored element covers (a
 quantized layer's scales and packed words), so one slicing rule serves every scheme.
+
+The quantization hook: a model built inside `quantization_scope(config)` gets, for each linear
+layer, `config.linear_method(prefix)` (layers/quantization/__init__.py). An unquantized engine has
+no scope and never imports that package.
 """
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.quantization import linear_method
-from nanovllm.layers.quantization.base import axes_of
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
+
+
+@dataclass(frozen=True)
+class Axes:
+    """Where a stored tensor keeps a linear layer's output and input features, and how many
+    features one stored element covers along each (AWQ packs 8 output features into an int32; a
+    block scale covers 128 x 128 weights). A checkpoint tensor of a layer with `out` x `in`
+    features is then ceil(out / output_pack) x ceil(in / input_pack) along those axes."""
+    output_dim: int | None
+    input_dim: int | None
+    output_pack: int = 1
+    input_pack: int = 1
+
+    def shape(self, ndim: int, out_features: int, in_features: int) -> tuple[int, ...]:
+        shape = [0] * ndim
+        if self.output_dim is not None:
+            shape[self.output_dim] = -(-out_features // self.output_pack)
+        if self.input_dim is not None:
+            shape[self.input_dim] = -(-in_features // self.input_pack)
+        return tuple(shape)
+
+
+WEIGHT_AXES = Axes(output_dim=0, input_dim=1)     # nn.Linear's weight [out, in]
+BIAS_AXES = Axes(output_dim=0, input_dim=None)    # [out]
+
+
+def axes_of(param: torch.Tensor) -> Axes:
+    return getattr(param, "axes", WEIGHT_AXES if param.dim() == 2 else BIAS_AXES)
+
+
+# ---- the quantization scope a model is built in ---------------------------------------------------
+_QUANTIZATION = None  # layers/quantization's QuantizationConfig, while a quantized model is built
+
+
+@contextmanager
+def quantization_scope(config):
+    """Layers built inside quantize as `config` (a QuantizationConfig, or None) says."""
+    global _QUANTIZATION
+    previous, _QUANTIZATION = _QUANTIZATION, config
+    try:
+        yield
+    finally:
+        _QUANTIZATION = previous
+
+
+def current_quantization():
+    return _QUANTIZATION
+
+
+def linear_method(prefix: str | None):
+    """The quantization method of the linear layer named `prefix` (None: unquantized; a prefix of
+    None: a layer that is never quantized)."""
+    if _QUANTIZATION is None or prefix is None:
+        return None
+    return _QUANTIZATION.linear_method(prefix)
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.moe import SparseMoE
-from nanovllm.layers.quantization import current_quantization
+from nanovllm.layers.linear import current_quantization
 from nanovllm.layers.transformer import DecoderFlags, DecoderForCausalLM, check_decoder_config
 
 EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(_scale_inv)?$")

@@ -27,7 +27,8 @@ from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
-from nanovllm.layers.quantization import QuantizationConfig, quantization_scope
+from nanovllm.layers.linear import quantization_scope
+from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_probs
 from nanovllm.layers.sampler import sample_from, uniform_per_row
 from nanovllm.models import resolve_model_class

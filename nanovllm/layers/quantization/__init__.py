@@ -5,9 +5,10 @@
   awq.py   AWQ int4 checkpoints (Qwen3-*-AWQ): 4 bits, groups of 128 inputs, zero points
 
 `QuantizationConfig.resolve(argument, hf_config)` reads what the user asked for and what
-config.json's quantization_config says, and checks they agree.
+config.json's quantization_config says, and checks they agree. Models are built in its
+`quantization_scope` (layers/linear.py), whose linear layers then call its `linear_method`.
+This package is imported only when the caller or the checkpoint asks for quantization.
 """
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 QUANTIZATION_METHODS = ("fp8", "awq")
@@ -92,6 +93,17 @@ class QuantizationConfig:
                              f"here, quantized or not as a whole")
         return all(skipped)
 
+    def linear_method(self, prefix: str):
+        """The method of the linear layer named `prefix` (None: it stays unquantized): the hook
+        layers/linear.py calls. A scheme's module is imported when a model is built with it."""
+        if self.skips(prefix):
+            return None
+        if self.method == "awq":
+            from nanovllm.layers.quantization.awq import AwqLinearMethod
+            return AwqLinearMethod(self.group_size)
+        from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod
+        return Fp8BlockLinearMethod(self.weight_block_size) if self.serialized else Fp8LinearMethod()
+
 
 # our packed layers -> the checkpoint layers they hold
 PACKED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -101,38 +113,3 @@ def names_module(entry: str, name: str) -> bool:
     """Whether dotted name `entry` is a contiguous run of `name`'s dotted parts."""
     want, have = entry.split("."), name.split(".")
     return any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
-
-
-# ---- the scope a model is built in --------------------------------------------------------------
-_CONFIG: QuantizationConfig | None = None
-
-
-@contextmanager
-def quantization_scope(config: QuantizationConfig | None):
-    """Layers built inside quantize as `config` says (read through current_quantization())."""
-    global _CONFIG
-    previous, _CONFIG = _CONFIG, config
-    try:
-        yield
-    finally:
-        _CONFIG = previous
-
-
-def current_quantization() -> QuantizationConfig | None:
-    return _CONFIG
-
-
-def linear_method(prefix: str | None):
-    """The quantization method of the linear layer named `prefix` (None: unquantized; a prefix of
-    None: a layer that is never quantized)."""
-    config = _CONFIG
-    if config is None or prefix is None or config.skips(prefix):
-        return None
-    # (a scheme's module is imported when a model is built with it: an unquantized one loads none)
-    if config.method == "awq":
-        from nanovllm.layers.quantization.awq import AwqLinearMethod
-        return AwqLinearMethod(config.group_size)
-    from nanovllm.layers.quantization.fp8 import Fp8BlockLinearMethod, Fp8LinearMethod
-    if config.serialized:
-        return Fp8BlockLinearMethod(config.weight_block_size)
-    return Fp8LinearMethod()

@@ -10,7 +10,8 @@ order chosen for its CUDA kernel's fast int4 -> fp16 conversion.
 """
 import torch
 
-from nanovllm.layers.quantization.base import PACK, Axes, check_divisible, new_param
+from nanovllm.layers.linear import Axes
+from nanovllm.layers.quantization.base import PACK, check_divisible, new_param
 from nanovllm.utils.triton_mode import import_kernels
 
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)       # column j of a word -> its nibble

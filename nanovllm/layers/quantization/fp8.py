@@ -11,8 +11,8 @@ reference every kernel is tested against.
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.quantization.base import (FP8, FP8_MAX, MIN_SCALE, WEIGHT_AXES, BIAS_AXES, Axes, check_divisible,
-                                               new_param)
+from nanovllm.layers.linear import BIAS_AXES, WEIGHT_AXES, Axes
+from nanovllm.layers.quantization.base import FP8, FP8_MAX, MIN_SCALE, check_divisible, new_param
 from nanovllm.utils.triton_mode import import_kernels
 
 
