@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_probs, verify
-from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_top_k_top_p, sample_from,
-                                     uniform_per_row)
+from nanovllm.layers.inverse_transform import sample_from, uniform_per_row
+from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.layers.top_k_top_p import apply_min_p, apply_top_k_top_p
 
 V, N = 8, 100_000
 TV_BOUND = math.sqrt(2 * (V * math.log(2) + math.log(1e6)) / N) / 2
@@ -167,7 +168,7 @@ def test_filtered_probabilities_equal_the_full_sort_bit_for_bit():
     for (peaked logits) and rows that fall back to the full sort (flat logits, whose top-p nucleus
     reaches past the candidates), with top-k, top-p and min-p, each alone and mixed per row."""
     from nanovllm.features.speculative.rejection_sampler import filtered
-    from nanovllm.layers.sampler import NUM_CANDIDATES, filter_candidates
+    from nanovllm.layers.top_k_top_p import NUM_CANDIDATES, filter_candidates
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 5000, 24
     scale = torch.tensor([4.0] * 16 + [0.1] * 8)[:, None]  # peaked rows, then flat ones

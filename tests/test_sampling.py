@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers import sampler as sampler_module
+from nanovllm.layers import top_k_top_p as sampler_module
 from nanovllm.features import logits_processors
 from nanovllm.features.logits_processors import ProcessorTensors, apply_penalties
-from nanovllm.layers.sampler import (Sampler, SamplingBatch, apply_min_p, apply_top_k_top_p, filter_candidates,
-                                     sample_filtered, sample_from, uniform_per_row)
+from nanovllm.layers.inverse_transform import sample_from, uniform_per_row
+from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.layers.top_k_top_p import apply_min_p, apply_top_k_top_p, filter_candidates, sample_filtered
 
 # chi-square critical value for 7 degrees of freedom at p = 0.001: a correct sampler fails the
 # test with probability 0.1% for a random seed, and never for the fixed one below.

@@ -143,7 +143,7 @@ def outputs_with_redraws(path, async_scheduling, monkeypatch, force: bool):
     """generate() with top-k/top-p/min-p over a large vocabulary; force: every candidate draw is
     flagged, and made wrong (the next token id), so the outputs are right only if each flagged
     token is redrawn the full way when the host reads it and corrected wherever it was used."""
-    from nanovllm.layers import sampler as sampler_module
+    from nanovllm.layers import top_k_top_p as sampler_module
     real = sampler_module.draw_filtered
     if force:
         def wrong_and_flagged(probs, *args):

@@ -1,6 +1,7 @@
 import logging
 from dataclasses import dataclass
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,11 +14,14 @@ from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.linear import quantization_scope
-from nanovllm.layers.sampler import Redo, Sampler, SamplingBatch
+from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device
 from nanovllm.utils.loader import load_dummy, load_model
 from nanovllm.utils.parallel import TPGroup, tensor_parallel
+
+if TYPE_CHECKING:
+    from nanovllm.layers.top_k_top_p import Redo
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class SampledTokens:
     prompt_logprobs: list | None = None  # prompt_logprobs.prompt_logprobs' (the engine reads them after result())
 
     def __init__(self, tokens: torch.Tensor | None = None, logprobs: tuple | None = None,
-                 num_logprobs: list[int | None] | None = None, redo: Redo | None = None):
+                 num_logprobs: list[int | None] | None = None, redo: "Redo | None" = None):
         self.num_logprobs = num_logprobs  # per sampling row: its SamplingParams.logprobs
         self.redo = redo
         self.corrected: list[int] = []  # result(): the sampling rows redrawn there (see Redo)

@@ -30,7 +30,7 @@ from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.linear import quantization_scope
 from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_probs
-from nanovllm.layers.sampler import sample_from, uniform_per_row
+from nanovllm.layers.inverse_transform import sample_from, uniform_per_row
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import default_dtype_and_device
 from nanovllm.utils.loader import load_dummy, load_model

@@ -25,8 +25,9 @@ uniform would be correlated with it, and the output would no longer follow p.
 """
 import torch
 
-from nanovllm.layers.sampler import (NUM_CANDIDATES, SamplingBatch, apply_min_p, apply_top_k_top_p,
-                                     filter_candidates, greedy, processed_logits, sample_from, uniform_per_row)
+from nanovllm.layers.inverse_transform import sample_from, uniform_per_row
+from nanovllm.layers.sampler import SamplingBatch, greedy, processed_logits
+from nanovllm.layers.top_k_top_p import NUM_CANDIDATES, apply_min_p, apply_top_k_top_p, filter_candidates
 
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # < 2**63: a salted seed stays a valid seed
 DRAFT_SALT = 0x6A09E667F3BCC908  # for a draft model's sampling (it must not reuse the streams above)
