@@ -1,5 +1,4 @@
 import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -26,9 +25,6 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 FLASH_ATTN_BLOCK_SIZE = 256
 DEFAULT_BLOCK_SIZE = 16
 GENERATION_CONFIG = "generation_config.json"
-# preemption_mode: "recompute" frees a preempted sequence's blocks (its prefix is computed again,
-# or revived from the prefix cache); "swap" keeps them in the host tier (kv_offloading_size).
-PREEMPTION_MODES = ("recompute", "swap")
 @dataclass
 class Config:
     """Every engine option, validated once (LLM's keyword options, the `nanovllm` command's flags);
@@ -116,7 +112,9 @@ class Config:
         if self.speculative_config is not None:
             from nanovllm.features.speculative.config import SpeculativeConfig  # (a layer: loaded when asked for)
             self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        self._check_host_tier()
+        if self.kv_offloading_size != 0 or self.preemption_mode != "recompute":  # (not the defaults)
+            from nanovllm.features.host_tier import check_options  # (the host tier's layer: loaded when asked for)
+            check_options(self)
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
@@ -182,25 +180,6 @@ class Config:
             self.quant_config = QuantizationConfig.resolve(self.quantization, self.hf_config)
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.draft_hf_config = self.speculative.draft_hf_config(self.hf_config, self.max_model_len)
-
-    def _check_host_tier(self):
-        """kv_offloading_size (GiB of host memory for the prefix cache's second tier, over all
-        ranks together) and preemption_mode, and what each needs."""
-        size = self.kv_offloading_size
-        if isinstance(size, bool) or not isinstance(size, (int, float)):
-            raise TypeError(f"kv_offloading_size must be a number of GiB (0: no host tier), got {size!r}")
-        if not (math.isfinite(size) and size >= 0):
-            raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0 (0: no host tier), got {size}")
-        if not isinstance(self.preemption_mode, str) or self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and not (size > 0 and self.enable_prefix_caching):
-            raise ValueError("preemption_mode='swap' keeps preempted sequences' blocks in the host tier: it needs "
-                             f"kv_offloading_size > 0 (got {size}) and enable_prefix_caching=True "
-                             f"(got {self.enable_prefix_caching})")
-        if size > 0 and self.speculative is not None and self.speculative.method == "draft_model":
-            # (its cache mirrors the target's blocks: an offloaded block would need its K/V too)
-            raise ValueError("kv_offloading_size > 0 is not supported with speculative decoding by a draft model "
-                             "(method 'draft_model'); n-gram speculation ('ngram') works with it")
 
     def _check_tensor_parallel(self):
         """Every split the sharded layers make must be exact."""

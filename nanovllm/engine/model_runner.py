@@ -80,8 +80,8 @@ class SampledTokens:
             self.wait_s = perf_counter() - start
         tokens = self.tokens.tolist()
         chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs or (None,) * 3)
-        if self.redo_mask is not None and self.redo_mask.any():
-            self._redraw(tokens, chosen)
+        if self.redo_mask is not None and self.redo_mask.any():  # (rare: layers/top_k_top_p.py)
+            self.corrected = self.redo.redraw_flagged(self.redo_mask, tokens, chosen)
         if self.logprobs is None:
             return tokens, None
         dicts = []
@@ -93,19 +93,6 @@ class SampledTokens:
             d[tokens[i]] = chosen[i]
             dicts.append(d)
         return tokens, dicts
-
-    def _redraw(self, tokens: list[int], chosen: list[float] | None):
-        """Draw the flagged rows again the full way (rare; a host sync is fine here), into tokens
-        and the chosen tokens' logprobs."""
-        redo = self.redo
-        rows = torch.from_numpy(np.flatnonzero(self.redo_mask.numpy())).to(redo.probs.device)
-        redrawn = redo.redraw(rows)
-        if chosen is not None:
-            for i, value in zip(rows.tolist(), redo.raw_logprobs[rows, redrawn].tolist()):
-                chosen[i] = value
-        for i, token in zip(rows.tolist(), redrawn.tolist()):
-            tokens[i] = token
-        self.corrected = rows.tolist()
 
 
 @dataclass

@@ -11,6 +11,7 @@ its tokens, the id of its contents (uid) and of its parent's (parent_uid). A hit
 tokens and that its parent is the contents the lookup matched before it, so a chain of verified
 blocks stands for exactly the prefix's tokens, whatever the hash does.
 """
+import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,6 +21,32 @@ import numpy as np
 import torch
 
 from nanovllm.utils.context import to_device
+
+# preemption_mode: "recompute" frees a preempted sequence's blocks (its prefix is computed again,
+# or revived from the prefix cache); "swap" keeps them in the host tier (kv_offloading_size).
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def check_options(config):
+    """Config's kv_offloading_size (GiB of host memory for the prefix cache's second tier, over
+    all ranks together) and preemption_mode, and what each needs (Config calls it when either is
+    not its default)."""
+    size = config.kv_offloading_size
+    if isinstance(size, bool) or not isinstance(size, (int, float)):
+        raise TypeError(f"kv_offloading_size must be a number of GiB (0: no host tier), got {size!r}")
+    if not (math.isfinite(size) and size >= 0):
+        raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0 (0: no host tier), got {size}")
+    if not isinstance(config.preemption_mode, str) or config.preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}")
+    if config.preemption_mode == "swap" and not (size > 0 and config.enable_prefix_caching):
+        raise ValueError("preemption_mode='swap' keeps preempted sequences' blocks in the host tier: it needs "
+                         f"kv_offloading_size > 0 (got {size}) and enable_prefix_caching=True "
+                         f"(got {config.enable_prefix_caching})")
+    if size > 0 and config.speculative is not None and config.speculative.method == "draft_model":
+        # (its cache mirrors the target's blocks: an offloaded block would need its K/V too)
+        raise ValueError("kv_offloading_size > 0 is not supported with speculative decoding by a draft model "
+                         "(method 'draft_model'); n-gram speculation ('ngram') works with it")
+
 
 # The copies move through device staging tensors of at most this many bytes at a time (a whole
 # 100k-token prefix reloaded at once would otherwise need as much free device memory as its K/V:

@@ -8,6 +8,7 @@ the step's tokens.
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm.layers.inverse_transform import sample_from
@@ -150,4 +151,17 @@ class Redo:
         rows = self.mask.nonzero()[:, 0]  # the host sync
         if rows.numel():
             tokens[rows] = self.redraw(rows)
+        return rows.tolist()
+
+    def redraw_flagged(self, mask: torch.Tensor, tokens: list[int], chosen: list[float] | None) -> list[int]:
+        """The step's tokens have reached the host (SampledTokens.result(): a sync there is free):
+        redraw the rows flagged in mask ([B] bool, on the host) into tokens, and their logprobs
+        into chosen (when asked). Returns their indices."""
+        rows = torch.from_numpy(np.flatnonzero(mask.numpy())).to(self.probs.device)
+        redrawn = self.redraw(rows)
+        if chosen is not None:
+            for i, value in zip(rows.tolist(), self.raw_logprobs[rows, redrawn].tolist()):
+                chosen[i] = value
+        for i, token in zip(rows.tolist(), redrawn.tolist()):
+            tokens[i] = token
         return rows.tolist()
