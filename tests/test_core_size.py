@@ -16,9 +16,12 @@ import core_lines  # noqa: E402
 CORE_LINE_BUDGET = 4210
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
-# recorder), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the mixture-of-experts families, the server.
-OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization", "nanovllm.models.sparse",
-                   "nanovllm.models.mixtral", "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers")
+# recorder), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
+# top-k/top-p/min-p filters (loaded by the first request with one), the mixture-of-experts
+# families, the server.
+OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization",
+                   "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
+                   "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40
