@@ -25,6 +25,8 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 FLASH_ATTN_BLOCK_SIZE = 256
 DEFAULT_BLOCK_SIZE = 16
 GENERATION_CONFIG = "generation_config.json"
+
+
 @dataclass
 class Config:
     """Every engine option, validated once (LLM's keyword options, the `nanovllm` command's flags);
@@ -128,7 +130,9 @@ class Config:
             raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
         self.dtype = self._resolve_dtype()
-        self._check_tensor_parallel()
+        if self.tensor_parallel_size > 1:
+            from nanovllm.engine.workers import check_tensor_parallel  # (tensor parallelism's: loaded when asked for)
+            check_tensor_parallel(self)
 
     def _positive_int(self, name: str, allow_none: bool = False):
         value = getattr(self, name)
@@ -180,23 +184,6 @@ class Config:
             self.quant_config = QuantizationConfig.resolve(self.quantization, self.hf_config)
         if self.speculative is not None and self.speculative.method == "draft_model":
             self.draft_hf_config = self.speculative.draft_hf_config(self.hf_config, self.max_model_len)
-
-    def _check_tensor_parallel(self):
-        """Every split the sharded layers make must be exact."""
-        tp, c = self.tensor_parallel_size, self.hf_config
-        if tp == 1:
-            return
-        if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        checks = [("num_attention_heads", c.num_attention_heads, c.num_attention_heads % tp == 0),
-                  ("num_key_value_heads", kv_heads, kv_heads % tp == 0 or tp % kv_heads == 0),
-                  ("vocab_size", c.vocab_size, c.vocab_size % tp == 0),
-                  ("intermediate_size", c.intermediate_size, c.intermediate_size % tp == 0)]
-        for name, value, ok in checks:
-            if not ok:
-                raise ValueError(f"tensor_parallel_size={tp} cannot split the model's {name}={value}: it must be "
-                                 f"divisible by {tp}" + (f" (or divide {tp})" if name == "num_key_value_heads" else ""))
 
     def _resolve_dtype(self) -> torch.dtype:
         dtype = self.dtype

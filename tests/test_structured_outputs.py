@@ -183,7 +183,7 @@ def test_every_keyword_is_enforced_or_refused_by_name(llm):
         for schema in batch:
             tally["schemas"] += 1
             try:
-                llm.compile_grammar(constrained("json", schema))
+                llm.grammar_compiler().compile_request(constrained("json", schema))
             except ValueError as e:
                 if "is not a valid JSON schema" in str(e):  # (xgrammar's, e.g. minimum above maximum)
                     tally["refused by xgrammar"] += 1
@@ -245,7 +245,7 @@ def test_length_bounded_strings_are_json_strings(llm):
 def accepts(llm, schema, text: bytes) -> bool:
     """Whether the compiled grammar of schema takes text (UTF-8, possibly invalid) as a whole output."""
     import xgrammar as xgr
-    matcher = xgr.GrammarMatcher(llm.compile_grammar(constrained("json", schema)))
+    matcher = xgr.GrammarMatcher(llm.grammar_compiler().compile_request(constrained("json", schema)))
     return matcher.accept_string(text) and matcher.accept_token(min(llm.eos_token_ids))
 
 
@@ -431,13 +431,13 @@ def test_a_grammar_that_compiles_too_long_fails_alone(llm, monkeypatch):
 def test_the_same_schema_compiles_once(llm, monkeypatch):
     """Compiled grammars are cached by constraint: a schema seen before (an equal dict, a new
     object) is not compiled again."""
-    llm.compile_grammar(constrained("regex", "y"))  # (the grammars exist from here on)
+    llm.grammar_compiler().compile_request(constrained("regex", "y"))  # (the grammars exist from here on)
     grammars, calls = llm.grammars, []
     compile_ = grammars._compile
     monkeypatch.setattr(grammars, "_compile", lambda params: (calls.append(params), compile_(params))[1])
     schema = {"type": "object", "properties": {"only": {"type": "boolean"}}, "required": ["only"]}
-    first = llm.compile_grammar(constrained("json", schema))
-    again = [llm.compile_grammar(constrained("json", json.loads(json.dumps(schema)))) for _ in range(5)]
+    first = llm.grammar_compiler().compile_request(constrained("json", schema))
+    again = [llm.grammar_compiler().compile_request(constrained("json", json.loads(json.dumps(schema)))) for _ in range(5)]
     assert len(calls) == 1 and all(g is first for g in again)
 
 

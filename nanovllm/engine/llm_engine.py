@@ -49,19 +49,10 @@ def load_tokenizer(path: str):
 @dataclass
 class InFlightStep:
     """A step launched on the device and not yet accounted for; `deferred` until its sampling is
-    queued too (its grammar masks wait for the step before: LLMEngine.step)."""
+    queued too (its grammar masks wait for the step before: Grammars.launch)."""
     step: ScheduledStep
     sampled: SampledTokens | None
     deferred: tuple | None = None  # (DeferredSampling, SamplingInputs)
-
-
-NO_COPIES = {"offloaded_bytes": 0, "reloaded_bytes": 0, "copy_time_s": 0.0}  # stats() without a host tier
-
-
-class SpecCounts:
-    """stats()' speculative counts without speculative decoding (features/speculative/policy.py's SpecStats: with)."""
-    num_drafts = num_draft_tokens = num_accepted_tokens = 0
-    accepted_per_position = ()
 
 
 class PromptTooLong(ValueError):
@@ -217,7 +208,8 @@ class LLMEngine:
         as forks until its prompt is computed); nothing is queued here."""
         ids = self.encode_prompt(prompt)
         self.check_request(len(ids), sampling_params)
-        grammar = self.compile_grammar(sampling_params)
+        grammar = (self.grammar_compiler().compile_request(sampling_params)
+                   if sampling_params.structured_outputs is not None else None)
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
         # each sample gets its own noise stream: seeds spaced by an odd 64-bit constant
         samples = [Sequence(ids, sampling_params, (seed + j * SAMPLE_SEED_STRIDE) % 2**63, index, j)
@@ -229,18 +221,6 @@ class LLMEngine:
         samples[0].forks = samples[1:]
         return samples
 
-    def compile_grammar(self, sampling_params: SamplingParams):
-        """The compiled grammar of the request's structured_outputs (None without): a ValueError
-        for one that does not compile, or not in time, or that allowed_token_ids leaves no first
-        token. Any thread may call it (a server compiles first, and the engine's own call is then
-        a cache hit)."""
-        constraint = sampling_params.structured_outputs
-        if constraint is None:
-            return None
-        compiled = self.grammar_compiler().compile(constraint)
-        self.check_first_token(sampling_params, compiled)
-        return compiled
-
     def grammar_compiler(self):
         """The engine's grammar compiler (structured_outputs.Grammars), made at the first constraint
         (any thread)."""
@@ -251,14 +231,6 @@ class LLMEngine:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
         return self.grammars
-
-    def check_first_token(self, sampling_params: SamplingParams, compiled):
-        """A ValueError when allowed_token_ids holds no token the request's grammar may begin with:
-        its first step could sample nothing."""
-        allowed = sampling_params.allowed_token_ids
-        if allowed is not None and not self.grammars.first_tokens(compiled)[list(allowed)].any():
-            raise ValueError("SamplingParams.allowed_token_ids holds no token that the structured_outputs constraint "
-                             "lets a completion begin with")
 
     def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
         """Normalize generate()/stream() arguments and validate every request; nothing is queued."""
@@ -318,8 +290,9 @@ class LLMEngine:
             from nanovllm.features.prompt_logprobs import collect  # (prompt logprobs' layer: loaded when used)
             collect(done.step.seqs, done.sampled.prompt_logprobs)
         updated = self.scheduler.complete(done.step, tokens, logprobs)
-        if launched is not None and launched.deferred is not None:  # its masks can be built now
-            self._sample_deferred(launched)
+        if launched is not None and launched.deferred is not None:  # (structured outputs) its masks can be built now
+            launched.sampled = self.grammars.sample_deferred(self.model_runner, launched.deferred)
+            launched.deferred = None
         self._deliver(updated)
         if self.recorder is not None:
             self.recorder.step_accounted(done, self, tokens)
@@ -332,26 +305,10 @@ class LLMEngine:
             return None
         batch = step.batch()
         sampling = self.scheduler.sampling_inputs(step, batch)
-        masked = sampling.processors if sampling.needs & Need.GRAMMAR else None
-        if masked is not None:  # structured outputs: the tokens each constrained row's grammar allows
-            if self.overlap and any(step.sampling[i].num_tokens - len(step.sampling[i].token_ids) > 1
-                                    for i, _ in masked.matchers):  # (no speculation: a row per sequence)
-                # a grammar still waits for the token of the step in flight: sample once it is in
-                # (overlap scheduling; the forward runs meanwhile), as SGLang does
-                return InFlightStep(step, None, (self.model_runner.launch(batch, sampling, defer_sampling=True),
-                                                 sampling))
-            masked.bitmask = self.grammars.fill_bitmask(masked.matchers)
-        sampled = self.model_runner.launch(batch, sampling)
-        return InFlightStep(step, sampled)
-
-    def _sample_deferred(self, launched: InFlightStep):
-        """Queue a deferred step's sampling, its grammars having taken the tokens before. A
-        grammar that ended there (its sequence finished: this step's token is dropped) is skipped."""
-        deferred, sampling = launched.deferred
-        live = [(i, m) for i, m in sampling.processors.matchers if not m.is_terminated()]
-        if live:
-            sampling.processors.bitmask = self.grammars.fill_bitmask(live)
-        launched.sampled, launched.deferred = self.model_runner.sample(deferred, sampling), None
+        if sampling.needs & Need.GRAMMAR:  # structured outputs' hook: each constrained row's mask
+            return InFlightStep(step, *self.grammars.launch(self.model_runner, batch, sampling, step.sampling,
+                                                            self.overlap))
+        return InFlightStep(step, self.model_runner.launch(batch, sampling))
 
     def _deliver(self, updated: list[Sequence]):
         """The text of each sequence that got a token (where text is wanted: it may end at a stop
@@ -469,29 +426,6 @@ class LLMEngine:
         self.model_runner.attach_recorder(recorder)
 
     def stats(self) -> dict:
-        """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
-        and waiting (samples not started yet included), and cumulative counts (preemptions, prompt
-        tokens served by the prefix cache, speculative decoding's drafts and accepted tokens), and
-        the host tier's (kv_offloading_size): its blocks, the prompt tokens each tier was asked
-        for and served, and rank 0's copies (bytes each way, seconds the copies took)."""
-        bm, speculation = self.block_manager, self.scheduler.speculation
-        spec = speculation.stats if speculation is not None else SpecCounts()
-        device_hits = bm.num_cached_tokens - bm.num_host_hit_tokens
-        host_copies = self.model_runner.host_copies
-        copies = host_copies.stats() if host_copies is not None else NO_COPIES
-        return {"num_blocks": self.block_manager.num_blocks,
-                "num_free_blocks": self.block_manager.num_free_blocks,
-                "num_running": len(self.scheduler.running), "num_waiting": self.scheduler.num_waiting_samples(),
-                "num_preemptions": self.scheduler.num_preemptions,
-                "num_cached_tokens": self.block_manager.num_cached_tokens,
-                "peak_used_blocks": self.block_manager.peak_used_blocks,
-                "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
-                "spec_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_num_accepted_tokens_per_pos": list(spec.accepted_per_position),
-                "tp_message_bytes": self.model_runner.last_message_bytes,
-                "prefix_cache_queries": bm.num_queried_tokens, "prefix_cache_hits": device_hits,
-                "num_host_blocks": bm.host.num_slots if bm.host is not None else 0,
-                "num_host_blocks_used": bm.host.num_used if bm.host is not None else 0,
-                "host_cache_queries": bm.num_queried_tokens - device_hits, "host_cache_hits": bm.num_host_hit_tokens,
-                "kv_offloaded_bytes": copies["offloaded_bytes"], "kv_reloaded_bytes": copies["reloaded_bytes"],
-                "kv_copy_time_s": copies["copy_time_s"]}
+        """The engine's state now and its cumulative counts (features/stats.py's engine_stats)."""
+        from nanovllm.features.stats import engine_stats  # (the server's and bench's: loaded when asked for)
+        return engine_stats(self)

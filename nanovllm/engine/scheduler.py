@@ -1,4 +1,3 @@
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -12,19 +11,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.step_batch import StepBatch
 
-FINISHED = SequenceStatus.FINISHED
-logger = logging.getLogger(__name__)
-
-
-class _Refused:
-    """A grammar matcher's stand-in once its grammar refused a token: ends the sequence."""
-    @staticmethod
-    def is_terminated() -> bool:
-        return True
-
-
-REFUSED = _Refused()
-STATUS_OF = attrgetter("status")
+FINISHED, STATUS_OF = SequenceStatus.FINISHED, attrgetter("status")
 
 
 @dataclass
@@ -275,8 +262,9 @@ class Scheduler:
             return self.speculation.complete(self, step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         self.append_tokens(seqs, tokens, logprobs)
-        if step.constrained:  # (the step's own flag: a sequence preempted since still gets its token)
-            self.advance_grammars(seqs, tokens)
+        if step.constrained:  # structured outputs' hook (the step's own flag: one preempted since gets its token too)
+            from nanovllm.features.structured_outputs import advance_grammars  # (their layer: loaded when used)
+            advance_grammars(seqs, tokens)
         constrained = step.constrained
         self.finish_stopped([(seq, reasons) for seq, token in zip(seqs, tokens)
                              if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
@@ -322,19 +310,6 @@ class Scheduler:
                     seq.logprobs.append(entry)
 
     @staticmethod
-    def advance_grammars(seqs: list[Sequence], tokens: list[int]):
-        """Feed each constrained sequence's new token to its grammar (its mask allowed it); one
-        whose grammar is complete and took its stop token ends (stops). A token the grammar
-        refuses all the same was drawn from a row with no token left (the grammar's mask and the
-        request's allowed_token_ids have none in common): that sequence alone ends, with
-        finish_reason "error"."""
-        for seq, token in zip(seqs, tokens):
-            if seq.matcher is not None and not seq.matcher.accept_token(token):
-                logger.warning("sequence %s: no token meets its constraints (its grammar refused token %d); ending it "
-                               "with finish_reason 'error'", seq.seq_id, token)
-                seq.matcher = REFUSED
-
-    @staticmethod
     def stop_reasons(seq: Sequence, token: int) -> tuple[str, int | None] | None:
         """Whether seq, having just appended token, ends, and why: (finish_reason, stop_reason)
         for a stop token (once min_tokens are in), its grammar complete (it took its stop token,
@@ -342,7 +317,8 @@ class Scheduler:
         params = seq.sampling_params
         if token in seq.stop_ids and seq.num_completion_tokens >= params.min_tokens:
             return "stop", token if token in params.stop_token_ids else None  # (EOS: None)
-        if seq.matcher is not None and seq.matcher.is_terminated():
+        if seq.matcher is not None and seq.matcher.is_terminated():  # (structured outputs)
+            from nanovllm.features.structured_outputs import REFUSED  # (their layer: loaded when used)
             return "error" if seq.matcher is REFUSED else "stop", None
         if len(seq.token_ids) >= seq.token_limit:
             return "length", None

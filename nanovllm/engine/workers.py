@@ -4,24 +4,45 @@ The engine (rank 0's process) creates a `Workers` and hands it to its ModelRunne
 the engine's own rendezvous store on a free port, spawns one process per extra rank and sends
 each a pickled `(method, args)` per call over a pipe. The workers run the same ModelRunner method, so the collectives inside the model
 (all-reduce, gather) line up. Workers ignore Ctrl-C (rank 0 decides), and exit when told to,
-when their pipe closes (rank 0 died), or are terminated on close.
+when their pipe closes (rank 0 died), or are terminated on close. check_tensor_parallel is
+Config's check that the model splits over the ranks.
 """
 import multiprocessing as mp
 import pickle
 import signal
 import weakref
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
 from nanovllm.utils.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
 
 STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
 JOIN_TIMEOUT_S = 10                     # a worker told to exit gets this long before it is killed
 
 
-def _worker_main(config: Config, runner_class: type, rank: int, store_port: int, conn):
+def check_tensor_parallel(config: "Config"):
+    """A ValueError unless every split the sharded layers make is exact (Config, when tensor_parallel_size > 1)."""
+    tp, c = config.tensor_parallel_size, config.hf_config
+    if config.device == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    checks = [("num_attention_heads", c.num_attention_heads, c.num_attention_heads % tp == 0),
+              ("num_key_value_heads", kv_heads, kv_heads % tp == 0 or tp % kv_heads == 0),
+              ("vocab_size", c.vocab_size, c.vocab_size % tp == 0),
+              ("intermediate_size", c.intermediate_size, c.intermediate_size % tp == 0)]
+    for name, value, ok in checks:
+        if not ok:
+            raise ValueError(f"tensor_parallel_size={tp} cannot split the model's {name}={value}: it must be "
+                             f"divisible by {tp}" + (f" (or divide {tp})" if name == "num_key_value_heads" else ""))
+
+
+def _worker_main(config: "Config", runner_class: type, rank: int, store_port: int, conn):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
                           timeout=STORE_TIMEOUT)
@@ -66,7 +87,7 @@ def _died_starting(rank: int, p) -> RuntimeError:
 
 
 class Workers:
-    def __init__(self, config: Config, runner_class: type):
+    def __init__(self, config: "Config", runner_class: type):
         size = config.tensor_parallel_size
         # Port 0: the OS picks a free port; each engine has its own store, so engines never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,

@@ -218,7 +218,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             job = self.llm.grammar_compiler().submit(params.structured_outputs)
             compiled = await self.grammar_job(job, f"structured_outputs.{params.structured_outputs.kind}: compiling it")
-            self.llm.check_first_token(params, compiled)
+            self.llm.grammars.check_first_token(params, compiled)
 
     async def grammar_job(self, job: Future, what: str):
         """A grammar thread's job, awaited (structured_outputs.GrammarThreads): a ValueError ("{what}

@@ -19,7 +19,8 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
 
 from nanovllm.features.structured_outputs import check_length, check_schema_size, xgrammar_message
 from nanovllm.entrypoints.reasoning_parsers import PROMPT_TAIL_TOKENS
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.features.structured_params import StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs (and vLLM's default max_logprobs)
 # Stop strings are searched for in every sequence's new text at every step (on the engine thread):

@@ -21,12 +21,13 @@ constrained distribution. Rows without a constraint pay nothing. The scheduler f
 sampled token to its matcher and ends the sequence once the grammar is complete and has taken
 its stop token. A constrained row's mask depends on its last token: under overlap scheduling,
 a step planned while that token is in flight launches its forward at once but queues its
-sampling only after the step before is accounted for (LLMEngine._sample_deferred, as SGLang
+sampling only after the step before is accounted for (Grammars.launch and sample_deferred, as SGLang
 does), so constrained sequences decode every step; a constrained sequence never drafts. StructuredOutputsParams.reasoning puts a free reasoning
 block before the constrained part (reasoning_grammar), for a server's --reasoning-parser.
 """
 import atexit
 import json
+import logging
 import re
 import threading
 import time
@@ -40,7 +41,9 @@ import numpy as np
 import torch
 
 from nanovllm.features.json_schema import UnsupportedSchema, check_schema
-from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.features.structured_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 10.0   # a grammar whose own compile takes longer fails its request (not its wait behind others)
 COMPILE_THREADS = 2        # requests' grammars compiled at once (each compile also uses xgrammar's own threads)
@@ -273,8 +276,45 @@ class Grammars:
             raise ValueError(f"structured_outputs.{kind} accepts no text: no token can begin a completion under it")
         return compiled
 
+    def compile_request(self, sampling_params):
+        """The compiled grammar of a request's structured_outputs: a ValueError for one that does
+        not compile, or not in time, or that allowed_token_ids leaves no first token. Any thread
+        may call it (a server compiles first, and the engine's own call is then a cache hit)."""
+        compiled = self.compile(sampling_params.structured_outputs)
+        self.check_first_token(sampling_params, compiled)
+        return compiled
+
+    def check_first_token(self, sampling_params, compiled):
+        """A ValueError when allowed_token_ids holds no token the request's grammar may begin with:
+        its first step could sample nothing."""
+        allowed = sampling_params.allowed_token_ids
+        if allowed is not None and not self.first_tokens(compiled)[list(allowed)].any():
+            raise ValueError("SamplingParams.allowed_token_ids holds no token that the structured_outputs constraint "
+                             "lets a completion begin with")
+
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
+
+    def launch(self, runner, batch, sampling, seqs: list, overlap: bool) -> tuple:
+        """Launch a step with constrained rows (LLMEngine._launch's hook): (its SampledTokens, None),
+        each row's mask filled first; or, under overlap scheduling when some grammar still waits
+        for the token of the step in flight, (None, deferred): the forward runs now and
+        sample_deferred() queues the sampling once that token is in, as SGLang does. seqs: the
+        step's sampling sequences (no speculation here: one row each)."""
+        masked = sampling.processors
+        if overlap and any(seqs[i].num_tokens - len(seqs[i].token_ids) > 1 for i, _ in masked.matchers):
+            return None, (runner.launch(batch, sampling, defer_sampling=True), sampling)
+        masked.bitmask = self.fill_bitmask(masked.matchers)
+        return runner.launch(batch, sampling), None
+
+    def sample_deferred(self, runner, deferred: tuple):
+        """Queue a deferred step's sampling, its grammars having taken the tokens before; a grammar
+        that ended there (its sequence finished: this step's token is dropped) is skipped."""
+        forward, sampling = deferred
+        live = [(i, m) for i, m in sampling.processors.matchers if not m.is_terminated()]
+        if live:
+            sampling.processors.bitmask = self.fill_bitmask(live)
+        return runner.sample(forward, sampling)
 
     def fill_bitmask(self, matchers: list[tuple[int, object]]) -> tuple[np.ndarray, torch.Tensor]:
         """(sampling row, matcher) pairs -> (rows [n] int64, bitmask [n, ceil(V / 32)] int32): bit t
@@ -283,6 +323,29 @@ class Grammars:
         for i, (_, matcher) in enumerate(matchers):
             matcher.fill_next_token_bitmask(bitmask, i)
         return np.array([row for row, _ in matchers], dtype=np.int64), bitmask
+
+
+class _Refused:
+    """A grammar matcher's stand-in once its grammar refused a token: ends the sequence."""
+    @staticmethod
+    def is_terminated() -> bool:
+        return True
+
+
+REFUSED = _Refused()
+
+
+def advance_grammars(seqs: list, tokens: list[int]):
+    """Feed each constrained sequence's new token to its grammar (Scheduler.complete's hook; its
+    mask allowed it); one whose grammar is complete and took its stop token ends (stops). A token
+    the grammar refuses all the same was drawn from a row with no token left (the grammar's mask
+    and the request's allowed_token_ids have none in common): that sequence alone ends, with
+    finish_reason "error" (its matcher is REFUSED)."""
+    for seq, token in zip(seqs, tokens):
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            logger.warning("sequence %s: no token meets its constraints (its grammar refused token %d); ending it "
+                           "with finish_reason 'error'", seq.seq_id, token)
+            seq.matcher = REFUSED
 
 
 def xgrammar_message(error: Exception) -> str:

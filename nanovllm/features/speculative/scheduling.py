@@ -98,7 +98,8 @@ class Speculation:
             for j, token in enumerate(tokens):
                 scheduler.append_tokens([seq], [token], [logprobs[i][j]] if logprobs is not None else None)
                 if seq.matcher is not None:  # (a constrained sequence drafts nothing: one token here)
-                    scheduler.advance_grammars([seq], [token])
+                    from nanovllm.features.structured_outputs import advance_grammars  # (loaded when used)
+                    advance_grammars([seq], [token])
                 reasons = scheduler.stop_reasons(seq, token)
                 if reasons is not None:
                     stopped.append((seq, reasons))
