@@ -8,7 +8,6 @@ when it takes the row, so that a step's sampling inputs are one gather of its sa
 than a Python loop over SamplingParams.
 """
 from dataclasses import dataclass
-from enum import IntFlag
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,9 +18,10 @@ if TYPE_CHECKING:
     from nanovllm.features.logits_processors import ProcessorInputs
 
 
-class Need(IntFlag):
-    """Which parts of the sampler a row uses; a step ORs the needs of its rows, and the sampler
-    skips what no row uses."""
+class Need:
+    """Which parts of the sampler a row uses, as bits; a step ORs the needs of its rows, and the
+    sampler skips what no row uses. (Plain ints, not an enum.IntFlag: a step tests them about ten
+    times, and a Flag's `&` costs about a microsecond each: scripts/bench_host.py.)"""
     RANDOM = 1       # temperature > 0 (else greedy: the argmax)
     FILTERS = 2      # top_k or top_p
     MIN_P = 4
@@ -33,7 +33,7 @@ class Need(IntFlag):
     PROCESSORS = PENALTIES | MIN_TOKENS | GRAMMAR | BIAS  # logits processors (features/logits_processors.py)
 
 
-def needs_of(params) -> Need:
+def needs_of(params) -> int:
     return ((Need.RANDOM if params.temperature > 0 else 0) | (Need.FILTERS if params.top_k > 0 or params.top_p < 1 else 0)
             | (Need.MIN_P if params.min_p > 0 else 0) | (Need.PENALTIES if params.has_penalties else 0)
             | (Need.MIN_TOKENS if params.min_tokens else 0) | (Need.LOGPROBS if params.logprobs is not None else 0)
@@ -45,7 +45,7 @@ def needs_of(params) -> Need:
 class SamplingInputs:
     """A step's sampling parameters on the host, one entry per sampling row (in the step's order).
     Parts no row needs are None."""
-    needs: Need
+    needs: int                           # Need bits: what some row uses
     rows: np.ndarray                     # [S] int64 their rows (penalties read their tokens from the table)
     positions: np.ndarray                # [S] int64 position of the token each samples
     seeds: np.ndarray | None = None      # [S] int64, with temperatures, when some row is not greedy
@@ -112,7 +112,7 @@ class BatchState:
 
     def sampling_inputs(self, rows: np.ndarray, positions: np.ndarray, seqs: list[Sequence]) -> SamplingInputs:
         """The sampling inputs of these rows, held by seqs, each sampling the token at positions[i]."""
-        needs = Need(int(np.bitwise_or.reduce(self.needs[rows])))
+        needs = int(np.bitwise_or.reduce(self.needs[rows]))
         inputs = SamplingInputs(needs, rows, positions)
         if needs & Need.RANDOM:
             inputs.seeds, inputs.temperatures = self.seed[rows], self.temperature[rows]

@@ -348,10 +348,10 @@ class ModelRunner:
         logits, inputs = self.run(batch, self.model, self.graphs)
         return DeferredSampling(batch, logits, inputs)
 
-    @torch.inference_mode()
     def sample(self, step: "DeferredSampling", sampling: SamplingInputs) -> SampledTokens:
         """Queue a launched step's sampling (rank 0), after its forward; the step's prompt
-        logprobs (prompt_logprobs.py) ride along with its tokens."""
+        logprobs (prompt_logprobs.py) ride along with its tokens. The caller runs it in inference
+        mode (launch(); Grammars.sample_deferred), entered once per step: a few µs each time."""
         out = self._draw(step, sampling) if step.logits is not None else SampledTokens()
         out.prompt_logprobs = step.inputs.prompt_logprobs if step.inputs is not None else None
         if self.recorder is not None:

@@ -145,9 +145,11 @@ class Scheduler:
     def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, propose: bool = True) -> int:
         """Put running sequences in the step, in order, while the token budget lasts: a decode's token
         (and the drafts the speculation hook proposes, unless propose=False), else a prefill's next
-        chunk, in new blocks where it needs them (_make_room, which preempts). Returns the budget left."""
-        add_seq, add_num_new, add_start, add_samples, add_sampling = (  # (the step's one loop: bound once)
-            step.seqs.append, step.num_new.append, step.starts.append, step.samples.append, step.sampling.append)
+        chunk, in new blocks where it needs them (_make_room, which preempts). Returns the budget left.
+        A plain decode, most of a step's sequences, is planned inline (a call per sequence would cost
+        ~20 µs of a 256-sequence step: scripts/bench_host.py); the rest in _schedule_one."""
+        add_seq, add_start, add_num_new, add_samples, add_sampling = (  # (the step's one loop: bound once)
+            step.seqs.append, step.starts.append, step.num_new.append, step.samples.append, step.sampling.append)
         block_size = self.block_size
         drafts_of = self.speculation.propose if self.speculation is not None and propose else None
         for seq in seqs:  # (preemption pops from the end of `running`: the loop then ends sooner)
@@ -156,32 +158,55 @@ class Scheduler:
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            num_drafts = (drafts_of(seq, len(self.running), budget) if drafts_of is not None
-                          and num_tokens - start == 1 else 0)  # (a decode may draft: speculative decoding)
-            if num_drafts < 0:
-                break  # its drafts wait for the next step's budget (Speculation.propose)
-            n = num_tokens - start + num_drafts if num_tokens - start < budget else budget
-            if (end := start + n) > len(seq.block_table) * block_size and not self._make_room(step, seq, end):
+            if num_tokens - start > 1 or drafts_of is not None or seq.forks:
+                n = self._schedule_one(step, seq, budget, drafts_of)
+                if n < 0:
+                    break
+                budget -= n
+                continue
+            if num_tokens > len(seq.block_table) * block_size and not self._make_room(step, seq, num_tokens):
                 break  # it was preempted itself, the last running
-            budget -= n
-            if num_drafts:
-                step.add_drafts(seq.row, num_tokens, num_drafts, seq.spec.draft_ids)
-            samples = end == num_tokens + num_drafts  # (drafts as if accepted; the token is in flight till complete())
-            seq.advance(end, samples)
+            budget -= 1
+            seq.advance(num_tokens, True)  # (its token is in flight till complete())
             add_seq(seq)
-            add_num_new(n)
             add_start(start)
-            add_samples(samples)
-            if samples:
-                add_sampling(seq)
-            known = len(seq.token_ids)  # (blocks full of tokens the host knows: published in schedule())
-            if end < known:
-                known = end
-            if known // block_size > len(seq.block_hashes):
-                step.filled.append((seq, known))
-            if seq.forks or seq.prompt_logprobs is not None:
-                self._prompt_computed(step, seq, start, end)
+            add_num_new(1)
+            add_samples(True)
+            add_sampling(seq)
+            if len(seq.token_ids) // block_size > len(seq.block_hashes):  # (published in schedule())
+                step.filled.append((seq, len(seq.token_ids)))
         return budget
+
+    def _schedule_one(self, step: ScheduledStep, seq: Sequence, budget: int, drafts_of) -> int:
+        """Put seq in the step (a prefill chunk, or a decode with drafts or forks): returns the
+        tokens it computes, or -1 if it must wait (its drafts do not fit the budget left, or it was
+        preempted itself, the last running)."""
+        num_tokens, start = seq.num_tokens, seq.num_computed_tokens
+        n, num_drafts = min(num_tokens - start, budget), 0
+        if num_tokens - start == 1 and drafts_of is not None:  # a decode may draft (speculative decoding)
+            num_drafts = drafts_of(seq, len(self.running), budget)
+            if num_drafts < 0:
+                return -1  # its drafts wait for the next step's budget (Speculation.propose)
+            n += num_drafts
+        end = start + n
+        if end > len(seq.block_table) * self.block_size and not self._make_room(step, seq, end):
+            return -1
+        if num_drafts:
+            step.add_drafts(seq.row, num_tokens, num_drafts, seq.spec.draft_ids)
+        samples = end == num_tokens + num_drafts  # (drafts as if accepted; the token is in flight till complete())
+        seq.advance(end, samples)
+        step.seqs.append(seq)
+        step.starts.append(start)
+        step.num_new.append(n)
+        step.samples.append(samples)
+        if samples:
+            step.sampling.append(seq)
+        known = min(end, len(seq.token_ids))  # (blocks full of tokens the host knows: published in schedule())
+        if known // self.block_size > len(seq.block_hashes):
+            step.filled.append((seq, known))
+        if seq.forks or seq.prompt_logprobs is not None:
+            self._prompt_computed(step, seq, start, end)
+        return n
 
     def _prompt_computed(self, step: ScheduledStep, seq: Sequence, start: int, end: int):
         """seq, with forks or asking for prompt logprobs, computes [start, end) in this step: its
@@ -261,15 +286,13 @@ class Scheduler:
         if step.drafts:
             return self.speculation.complete(self, step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
-        self.append_tokens(seqs, tokens, logprobs)
+        may_stop = self.append_tokens(seqs, tokens, logprobs)
         if step.constrained:  # structured outputs' hook (the step's own flag: one preempted since gets its token too)
             from nanovllm.features.structured_outputs import advance_grammars  # (their layer: loaded when used)
             advance_grammars(seqs, tokens)
-        constrained = step.constrained
-        self.finish_stopped([(seq, reasons) for seq, token in zip(seqs, tokens)
-                             if (token in seq.stop_ids or len(seq.token_ids) >= seq.token_limit
-                                 or (constrained and seq.matcher is not None and seq.matcher.is_terminated()))
-                             and (reasons := self.stop_reasons(seq, token)) is not None])
+            may_stop = list(zip(seqs, tokens))  # (a grammar may end any of them)
+        self.finish_stopped([(seq, reasons) for seq, token in may_stop
+                             if (reasons := self.stop_reasons(seq, token)) is not None])
         return seqs
 
     def correct(self, step: ScheduledStep, indices: list[int], tokens: list[int], in_flight: ScheduledStep | None):
@@ -302,12 +325,15 @@ class Scheduler:
                 [logprobs[i] for i in keep] if logprobs is not None else None)
 
     @staticmethod
-    def append_tokens(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None):
-        Sequence.append_each(seqs, tokens, perf_counter())
+    def append_tokens(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None) -> list[tuple]:
+        """Append each sequence's token (and its logprobs); returns (seq, token) for those whose
+        token may end them (Sequence.append_each)."""
+        may_stop = Sequence.append_each(seqs, tokens, perf_counter())
         if logprobs is not None:
             for seq, entry in zip(seqs, logprobs):
                 if seq.logprobs is not None:
                     seq.logprobs.append(entry)
+        return may_stop
 
     @staticmethod
     def stop_reasons(seq: Sequence, token: int) -> tuple[str, int | None] | None:

@@ -124,13 +124,19 @@ class Sequence:
         self.num_tokens -= num
 
     @staticmethod
-    def append_each(seqs: list["Sequence"], tokens: list[int], now: float):
+    def append_each(seqs: list["Sequence"], tokens: list[int], now: float) -> list[tuple["Sequence", int]]:
         """The ids of tokens they sampled reached the host: one per sequence, in one loop (a method
-        call per sequence costs ~10 µs in a 256-sequence decode step: scripts/bench_host.py)."""
+        call per sequence costs ~10 µs in a 256-sequence decode step: scripts/bench_host.py).
+        Returns (seq, token) for each whose token may end it: one of its stop_ids, or its last."""
+        may_stop = []
         for seq, token in zip(seqs, tokens):
-            seq.token_ids.append(token)
+            token_ids = seq.token_ids
+            token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if token in seq.stop_ids or len(token_ids) >= seq.token_limit:
+                may_stop.append((seq, token))
+        return may_stop
 
     def truncate(self, num: int):
         """Drop its last num tokens (made after the stop string that ended it)."""

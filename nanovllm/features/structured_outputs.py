@@ -314,7 +314,8 @@ class Grammars:
         live = [(i, m) for i, m in sampling.processors.matchers if not m.is_terminated()]
         if live:
             sampling.processors.bitmask = self.fill_bitmask(live)
-        return runner.sample(forward, sampling)
+        with torch.inference_mode():
+            return runner.sample(forward, sampling)
 
     def fill_bitmask(self, matchers: list[tuple[int, object]]) -> tuple[np.ndarray, torch.Tensor]:
         """(sampling row, matcher) pairs -> (rows [n] int64, bitmask [n, ceil(V / 32)] int32): bit t
