@@ -18,7 +18,7 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
     mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parents).
     """
-    return xxhash.xxh64_intdigest(array("q", token_ids).tobytes(), prev_hash or 0)
+    return xxhash.xxh64_intdigest(array("q", token_ids), prev_hash or 0)  # (an array is a buffer: no copy)
 
 
 def host_tier(num_slots: int):

@@ -15,13 +15,12 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams, is_integer
 from nanovllm.utils.logging import configure_logging, format_bytes
 
 logger = logging.getLogger(__name__)
 
-FINISHED, STATUS_OF = SequenceStatus.FINISHED, operator.attrgetter("status")
 SAMPLE_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: the n samples of a request get n distinct seeds
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -344,6 +343,7 @@ class LLMEngine:
         for seq in seqs:
             seq.inbox = inbox
         unfinished = {seq for seq in seqs if not seq.is_finished}
+        releases = self.scheduler.num_releases
         try:
             while unfinished:
                 if not inbox:
@@ -351,7 +351,8 @@ class LLMEngine:
                     continue
                 news = list(dict.fromkeys(inbox))  # (a sequence is there once per step that updated it)
                 inbox.clear()
-                if FINISHED in map(STATUS_OF, news):
+                if self.scheduler.num_releases != releases:  # (some sequence ended: maybe one of these)
+                    releases = self.scheduler.num_releases
                     unfinished.difference_update([seq for seq in news if seq.is_finished])
                 yield news
         except BaseException:

@@ -125,6 +125,7 @@ class StepInputs:
     graph_size: int           # the captured batch size it replays at; 0: eager
     graphs: "DecodeGraphs | None" = None  # ... of these graphs; a replay takes rows, positions (of
     num_new: torch.Tensor | None = None   # each one's last new token, padded) and num_new (speculative)
+    sampled_at: tuple | None = None       # (rows, positions) [S] each: where each sampled token goes
     prompt_logprobs: list | None = None   # prompt_logprobs.prompt_logprobs' (rank 0)
 
 
@@ -398,11 +399,8 @@ class ModelRunner:
         parallelism rank 0 broadcasts them first, a device-side collective with no host round trip."""
         if self.group is not None:
             self.group.broadcast(tokens)
-        rows, positions = inputs.rows, inputs.positions
-        if len(tokens) != len(rows):  # (else each token is a sampling row's last one: a decode step)
-            last = inputs.context.logits_indices  # [S] the index of each sampling row's last token
-            rows, positions = rows[last], positions[last]
-        self.token_table[rows, positions + 1] = tokens.to(torch.int32)
+        rows, positions = inputs.sampled_at
+        self.token_table[rows, positions] = tokens.to(torch.int32)
 
     def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None) -> StepInputs | None:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
@@ -422,8 +420,10 @@ class ModelRunner:
         if not layout.graph_size:  # (a graph gathers its own)
             input_ids, context.slot_mapping = gather_inputs(self.token_table, self.block_tables, d["rows"],
                                                             d["positions"], self.block_size)
+        sampled_at = ((d["rows"][:batch.num_seqs], d["lens_k"]) if layout.all_sample
+                      else (d["sample_rows"], d["sample_ends"]))
         return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size, layout.graphs,
-                          d.get("num_new"))
+                          d.get("num_new"), sampled_at)
 
     def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None) -> "StepLayout":
         """The host's part of prepare(): the row and position of every new token, and the
@@ -448,8 +448,9 @@ class ModelRunner:
         lens_k = starts + num_new                                                    # [B]
         parts = {"rows": rows, "positions": positions, "cu_q": cu_q, "lens_k": lens_k}
         all_sample = decode_only and batch.samples.all()  # (then the logits rows are 0..B-1)
-        if not all_sample:
+        if not all_sample:  # (else every sequence samples: rows[:B] and lens_k say where each token goes)
             parts["logits_indices"] = (cu_q[1:] - 1)[batch.samples]
+            parts["sample_rows"], parts["sample_ends"] = batch.rows[batch.samples], lens_k[batch.samples]
         if not decode_only:
             parts["step_rows"] = batch.rows
             parts["cu_k"] = np.concatenate([[0], np.cumsum(lens_k)])

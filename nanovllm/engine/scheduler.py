@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.num_releases = 0  # sequences ended so far (with their forks): a caller sees at once that none did
         # preemption_mode="swap": a victim's cached blocks go to the host tier at once (its last,
         # partial block is recomputed); "recompute": they stay cached until reused
         self.swap_on_preemption = config.preemption_mode == "swap"
@@ -371,6 +372,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence, reason: str, stop_reason: int | str | None):
         """seq ends, for reason: its blocks and row go back, and its samples not queued yet end with it."""
+        self.num_releases += 1
         if seq.status is SequenceStatus.RUNNING:
             self.block_manager.free_blocks(seq)
             self.batch_state.free_row(seq)
