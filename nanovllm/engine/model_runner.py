@@ -431,7 +431,7 @@ class ModelRunner:
         num_seqs = batch.num_seqs
         starts, num_new = batch.starts.astype(np.int64), batch.num_new.astype(np.int64)  # [B]
         cu_q = np.zeros(num_seqs + 1, dtype=np.int64)                                # [B+1]
-        np.cumsum(num_new, out=cu_q[1:])
+        num_new.cumsum(out=cu_q[1:])
         num_tokens = int(cu_q[-1])
         decode_only = num_tokens == num_seqs  # (every sequence has at least one new token)
         if decode_only:
@@ -494,15 +494,14 @@ class ModelRunner:
 
     def upload(self, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Named int64 host arrays on the device, in one copy of one buffer (each part aligned)."""
-        offsets, end = {}, 0
-        for name, part in parts.items():
-            offsets[name] = end
-            end += -(-len(part) // ALIGN) * ALIGN
-        flat = np.empty(end, dtype=np.int64)
-        for name, part in parts.items():
-            flat[offsets[name]:offsets[name] + len(part)] = part
-        device = to_device(flat, self.device)
-        return {name: device[offsets[name]:offsets[name] + len(part)] for name, part in parts.items()}
+        sizes = [-(-len(part) // ALIGN) * ALIGN for part in parts.values()]
+        flat, start = np.empty(sum(sizes), dtype=np.int64), 0
+        for part, size in zip(parts.values(), sizes):
+            flat[start:start + len(part)] = part
+            start += size
+        chunks = to_device(flat, self.device).split(sizes)  # (one op for all the views: a slice each costs ~1 µs)
+        return {name: chunk if len(chunk) == len(part) else chunk[:len(part)]
+                for (name, part), chunk in zip(parts.items(), chunks)}
 
     def sampling_batch(self, inputs: SamplingInputs, vocab_size: int) -> SamplingBatch:
         """The step's sampling parameters as device tensors, [S] each: one copy of the int64 ones

@@ -1,6 +1,5 @@
 from collections import deque
 from dataclasses import dataclass, field
-from operator import attrgetter
 from time import perf_counter
 
 import numpy as np
@@ -11,7 +10,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.step_batch import StepBatch
 
-FINISHED, STATUS_OF = SequenceStatus.FINISHED, attrgetter("status")
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -29,6 +28,7 @@ class ScheduledStep:
     filled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens) with blocks to publish
     fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (row, position, token): see correct()
     undone: set[Sequence] = field(default_factory=set)  # sequences whose token here correct() dropped
+    releases: int = 0  # Scheduler.num_releases when it was planned (complete() checks if any ended since)
     drafts: dict[int, int] = field(default_factory=dict)  # speculative decoding: {index in the step: its drafts}
     draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
@@ -119,7 +119,7 @@ class Scheduler:
         results are in (overlap scheduling): its sequences' num_computed_tokens count its tokens,
         and each sequence that samples counts the token it will sample in num_tokens.
         """
-        step = ScheduledStep()
+        step = ScheduledStep(releases=self.num_releases)
         num_preemptions = self.num_preemptions
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
@@ -313,13 +313,12 @@ class Scheduler:
                 seq.rollback(1)
                 in_flight.undone.add(seq)
 
-    @staticmethod
-    def _drop_finished(step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None):
+    def _drop_finished(self, step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None):
         """With overlap scheduling the next step is already running when this one is accounted
         for, so a sequence that finished meanwhile (a stop, an abort) ran once more there: that
         token is dropped here, as is one that correct() undid."""
         seqs = step.sampling
-        if FINISHED not in map(STATUS_OF, seqs) and not step.undone:  # (most steps)
+        if self.num_releases == step.releases and not step.undone:  # (most steps: none ended since its planning)
             return seqs, tokens, logprobs
         keep = [i for i, seq in enumerate(seqs) if seq.status is not FINISHED and seq not in step.undone]
         return ([seqs[i] for i in keep], [tokens[i] for i in keep],
