@@ -83,3 +83,26 @@ def test_the_cycle_check_sees_imports_in_functions_and_modules_loaded_by_name(tm
         (tmp_path / name).write_text(source)
         files["pkg." + name[:-3].replace("/", ".").removesuffix(".__init__")] = str(tmp_path / name)
     assert core_lines.cycles(core_lines.import_graph(files)) == [("pkg.a", "pkg.b"), ("pkg.reg", "pkg.reg.x")]
+
+
+def test_structured_outputs_params_are_exported_but_loaded_only_when_used():
+    """StructuredOutputsParams lives in structured outputs' layer: `import nanovllm` does not load
+    it, and both public paths (nanovllm, nanovllm.sampling_params) give the one class once asked."""
+    code = """
+import sys
+import nanovllm, nanovllm.sampling_params
+assert "nanovllm.features.structured_params" not in sys.modules
+from nanovllm import StructuredOutputsParams
+from nanovllm.sampling_params import StructuredOutputsParams as Again
+assert StructuredOutputsParams is Again
+assert nanovllm.SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")).structured_outputs.regex == "a+"
+try:
+    nanovllm.NoSuchThing
+except AttributeError as e:
+    assert "NoSuchThing" in str(e)
+else:
+    raise AssertionError("nanovllm.NoSuchThing did not raise")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
