@@ -19,9 +19,10 @@ class ScheduledStep:
     first new token and how many it computes. Planning commits it (see Scheduler.schedule)."""
     seqs: list[Sequence] = field(default_factory=list)  # (their rows: each one's seq.row, fixed until the step is sent)
     starts: list[int] = field(default_factory=list)
-    num_new: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    sampling: list[Sequence] = field(default_factory=list)  # those that sample, in order: one token each
+    # {index: (tokens it computes, whether it samples)} for those that are not a plain decode (1, True):
+    # two appends per plain decode cost ~8% of a 256-sequence decode step's host work (bench_host.py)
+    chunks: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    sampling: list[Sequence] = field(default_factory=list)  # those that sample, in order: one token each (schedule())
     new_blocks: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, offset, block ids)
     new_tokens: list[tuple[int, list[int]]] = field(default_factory=list)       # (row, token ids from 0)
     forking: list[Sequence] = field(default_factory=list)  # first samples whose prompt this step computes
@@ -43,14 +44,23 @@ class ScheduledStep:
         if draft_ids is not None:
             self.draft_tokens.append((row, position, draft_ids))
 
+    @property
+    def num_new(self) -> list[int]:  # (the tokens each computes)
+        return [self.chunks.get(i, (1,))[0] for i in range(len(self.seqs))]
+
+    @property
+    def samples(self) -> list[bool]:  # (whether each samples)
+        return [self.chunks.get(i, (1, True))[1] for i in range(len(self.seqs))]
+
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
         num_seqs = len(self.seqs)
-        samples = np.ones(num_seqs, dtype=bool) if len(self.sampling) == num_seqs else np.array(self.samples)
+        num_new, samples = np.ones(num_seqs, dtype=np.int32), np.ones(num_seqs, dtype=bool)
+        for i, (n, sample) in self.chunks.items():
+            num_new[i], samples[i] = n, sample
         batch = StepBatch(np.fromiter([seq.row for seq in self.seqs], np.int32, num_seqs),
-                          np.fromiter(self.starts, np.int32, num_seqs),
-                          np.fromiter(self.num_new, np.int32, num_seqs), samples, self.new_blocks, self.new_tokens,
-                          self.fixed_tokens)
+                          np.fromiter(self.starts, np.int32, num_seqs), num_new, samples, self.new_blocks,
+                          self.new_tokens, self.fixed_tokens)
         if self.drafts:  # (speculative decoding: each sequence's drafts, verified in the step)
             batch.num_drafts = np.zeros(num_seqs, dtype=np.int32)
             batch.num_drafts[list(self.drafts)] = list(self.drafts.values())
@@ -129,6 +139,8 @@ class Scheduler:
             self._schedule(step, self._admit_waiting(step, budget), budget, propose=False)
         if not step.seqs:
             return None
+        step.sampling = step.seqs if not step.chunks else [
+            seq for i, seq in enumerate(step.seqs) if i not in step.chunks or step.chunks[i][1]]
         if self.batch_state.num_constrained:  # (complete() feeds their grammars; their masks wait: LLMEngine._launch)
             step.constrained = any(seq.matcher is not None for seq in step.seqs)
         # Publish the blocks this step fills with tokens the host knows (a decode's new token is
@@ -149,8 +161,7 @@ class Scheduler:
         chunk, in new blocks where it needs them (_make_room, which preempts). Returns the budget left.
         A plain decode, most of a step's sequences, is planned inline (a call per sequence would cost
         ~20 µs of a 256-sequence step: scripts/bench_host.py); the rest in _schedule_one."""
-        add_seq, add_start, add_num_new, add_samples, add_sampling = (  # (the step's one loop: bound once)
-            step.seqs.append, step.starts.append, step.num_new.append, step.samples.append, step.sampling.append)
+        add_seq, add_start = step.seqs.append, step.starts.append  # (the step's one loop: bound once)
         block_size = self.block_size
         drafts_of = self.speculation.propose if self.speculation is not None and propose else None
         for seq in seqs:  # (preemption pops from the end of `running`: the loop then ends sooner)
@@ -171,9 +182,6 @@ class Scheduler:
             seq.advance(num_tokens, True)  # (its token is in flight till complete())
             add_seq(seq)
             add_start(start)
-            add_num_new(1)
-            add_samples(True)
-            add_sampling(seq)
             if len(seq.token_ids) // block_size > len(seq.block_hashes):  # (published in schedule())
                 step.filled.append((seq, len(seq.token_ids)))
         return budget
@@ -196,12 +204,10 @@ class Scheduler:
             step.add_drafts(seq.row, num_tokens, num_drafts, seq.spec.draft_ids)
         samples = end == num_tokens + num_drafts  # (drafts as if accepted; the token is in flight till complete())
         seq.advance(end, samples)
+        if n != 1 or not samples:
+            step.chunks[len(step.seqs)] = (n, samples)
         step.seqs.append(seq)
         step.starts.append(start)
-        step.num_new.append(n)
-        step.samples.append(samples)
-        if samples:
-            step.sampling.append(seq)
         known = min(end, len(seq.token_ids))  # (blocks full of tokens the host knows: published in schedule())
         if known // self.block_size > len(seq.block_hashes):
             step.filled.append((seq, known))
