@@ -8,7 +8,6 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.layers.backends import resolve_backend
 from nanovllm.models import resolve_model_class
-from nanovllm.utils.hub import resolve_model
 
 if TYPE_CHECKING:
     from nanovllm.features.speculative.config import SpeculativeConfig
@@ -107,7 +106,10 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self):
-        self.model = resolve_model(self.model)
+        if not (isinstance(self.model, (str, os.PathLike)) and os.path.isdir(self.model)):
+            from nanovllm.utils.hub import resolve_model  # (a Hub repository id, or an error: loaded for those)
+            self.model = resolve_model(self.model)
+        self.model = os.fspath(self.model)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
         self._check_options()

@@ -18,10 +18,11 @@ CORE_LINE_BUDGET = 4090
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
 # recorder), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
 # top-k/top-p/min-p filters (loaded by the first request with one), the mixture-of-experts
-# families, the server.
+# families, the server, the Hub (a model named by a folder needs none of it), dummy weights.
 OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization",
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
-                   "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers")
+                   "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
+                   "nanovllm.utils.hub", "nanovllm.utils.dummy_weights")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -17,7 +17,7 @@ from nanovllm.layers.linear import quantization_scope
 from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device
-from nanovllm.utils.loader import load_dummy, load_model
+from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TPGroup, tensor_parallel
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ class ModelRunner:
             self.model = model_class(config.hf_config, config.max_model_len)
         start = perf_counter()
         if config.load_format == "dummy":
+            from nanovllm.utils.dummy_weights import load_dummy  # (benchmarks': loaded when asked for)
             load_dummy(self.model)
         else:
             load_model(self.model, config.model, show_progress=self.rank == 0)

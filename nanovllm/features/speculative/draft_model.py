@@ -33,7 +33,8 @@ from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_p
 from nanovllm.layers.inverse_transform import sample_from, uniform_per_row
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import default_dtype_and_device
-from nanovllm.utils.loader import load_dummy, load_model
+from nanovllm.utils.dummy_weights import load_dummy
+from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
 
 
