@@ -38,8 +38,7 @@ class ScheduledStep:
     reloads: np.ndarray | None = None
 
     def add_drafts(self, row: int, position: int, num_drafts: int, draft_ids: list[int] | None):
-        """The sequence about to join the step verifies num_drafts drafts from position (their ids
-        when the host proposed them; else the draft model draws them in the step)."""
+        """The sequence about to join verifies num_drafts drafts from position (draft_ids: the host's)."""
         self.drafts[len(self.seqs)] = num_drafts
         if draft_ids is not None:
             self.draft_tokens.append((row, position, draft_ids))
@@ -117,8 +116,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def num_waiting_samples(self) -> int:
-        """Sequences not running yet: the waiting ones, and the samples riding on a request (its
-        forks) until its prompt is computed, wherever it is."""
+        """Sequences not running yet: the waiting ones, and the forks riding on a request."""
         return sum(1 + len(seq.forks) for seq in self.waiting) + sum(len(seq.forks) for seq in self.running)
 
     # ---- planning a step ----------------------------------------------------------------------
@@ -216,8 +214,7 @@ class Scheduler:
         return n
 
     def _prompt_computed(self, step: ScheduledStep, seq: Sequence, start: int, end: int):
-        """seq, with forks or asking for prompt logprobs, computes [start, end) in this step: its
-        forks are queued once its prompt is in, and the prompt logprobs observer notes its chunk."""
+        """seq computes [start, end) of its prompt: forks queue once it is in; prompt logprobs note the chunk."""
         if seq.forks and end >= seq.num_prompt_tokens:
             step.forking.append(seq)
         if start < seq.num_prompt_tokens - 1 and seq.prompt_logprobs is not None:
@@ -332,8 +329,7 @@ class Scheduler:
 
     @staticmethod
     def append_tokens(seqs: list[Sequence], tokens: list[int], logprobs: list[dict] | None) -> list[tuple]:
-        """Append each sequence's token (and its logprobs); returns (seq, token) for those whose
-        token may end them (Sequence.append_each)."""
+        """Append each one's token (and logprobs); returns (seq, token) where it may end them."""
         may_stop = Sequence.append_each(seqs, tokens, perf_counter())
         if logprobs is not None:
             for seq, entry in zip(seqs, logprobs):
