@@ -1,25 +1,21 @@
 """Mixture-of-experts MLP: a router picks each token's top-k experts; each expert is a gated MLP.
 
-Weights of a layer's experts are packed at load time into two tensors, as the fused kernel wants
-them: w13 [experts, 2 x intermediate, hidden] (each expert's gate rows, then its up rows) and
-w2 [experts, hidden, intermediate]. With tensor parallelism every rank holds a slice of each
-expert's intermediate dimension (column-parallel gate/up, row-parallel down) and the layer's
-output is all-reduced once.
+A layer's experts are packed at load time, as the fused kernel wants them, into w13 [experts,
+2 x intermediate, hidden] (each expert's gate rows, then its up rows) and w2 [experts, hidden,
+intermediate]. With tensor parallelism every rank holds a slice of each expert's intermediate
+dimension (column-parallel gate/up, row-parallel down); the output is all-reduced once.
 
-The expert computation has two implementations behind one function, as attention has backends:
-`torch_experts` (readable, any device, the reference) and the fused Triton kernel of
-`layers/moe_triton.py` (CUDA), which `experts_forward` picks on CUDA.
+`experts_forward` runs the fused Triton kernel of layers/moe_triton.py on CUDA, `torch_experts`
+(readable, the reference) elsewhere.
 
-FP8 experts (`quantization`, a QuantizationConfig): w13 and w2 are float8_e4m3fn with float32
-scales beside them (layers/quantization/fp8.py has the arithmetic),
+FP8 experts (`quantization`, a QuantizationConfig; arithmetic in layers/quantization/fp8.py): w13 and
+w2 are float8_e4m3fn with float32 scales; the router stays unquantized.
   per output channel   quantization="fp8" on an unquantized checkpoint: the experts load in full
                        precision and `process_weights_after_loading()` quantizes them:
                        w13_scale [E, 2I/tp], w2_scale [E, H]
   per 128 x 128 block  an FP8 checkpoint's `...weight` (fp8) and `...weight_scale_inv` tensors:
                        w13_scale_inv [E, 2I/tp/128, ceil(H/128)] (gate blocks, then up blocks),
                        w2_scale_inv [E, ceil(H/128), I/tp/128]; each rank holds whole blocks.
-The reference dequantizes each expert's weights and runs the same arithmetic; the kernel
-dequantizes in registers. The router stays unquantized.
 """
 import torch
 import torch.nn.functional as F
@@ -56,14 +52,9 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, block: tuple
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   block: tuple[int, int] | None = None) -> torch.Tensor:
-    """The reference: tokens grouped by expert, one gated MLP per expert that has tokens, each
-    result scaled by its routing weight and added back to its token.
-
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights [T, k]; ids [T, k]. Returns [T, H] in x.dtype.
-    FP8 weights: each used expert's weights are dequantized to x.dtype first (see
-    dequantize_experts; scales as in FusedExperts), so the result is exactly this function's on
-    the dequantized weights.
-    """
+    """The reference: tokens grouped by expert, one gated MLP per expert that has tokens, each result
+    scaled by its routing weight and added back to its token. x [T, H]; w13 [E, 2I, H]; w2 [E, H, I];
+    weights, ids [T, k] -> [T, H] in x.dtype. FP8 weights are dequantized first (dequantize_experts)."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)                    # (token, slot) pairs by expert
@@ -106,13 +97,9 @@ def quantize_experts_per_channel(w: torch.Tensor) -> tuple[nn.Parameter, nn.Para
 
 
 class FusedExperts(nn.Module):
-    """A layer's experts, packed: w13 [E, 2 x I/tp, H] and w2 [E, H, I/tp] on each rank (FP8 with
-    scales under an fp8 `quantization`: see the module docstring).
-
-    weight_loader(param, tensor, (expert, part)) takes one checkpoint tensor, part being "gate",
-    "up" or "down", into w13 / w2 or (block FP8) their scales w13_scale_inv / w2_scale_inv, and
-    records it: `missing_shards()` names what no tensor filled.
-    """
+    """A layer's experts, packed: w13 [E, 2 x I/tp, H] and w2 [E, H, I/tp] on each rank (FP8: see above).
+    weight_loader(param, tensor, (expert, part)) takes one checkpoint tensor, part "gate", "up" or
+    "down", into w13 / w2 or their block scales; `missing_shards()` names what no tensor filled."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  quantization: QuantizationConfig | None = None):
@@ -208,9 +195,8 @@ class FusedExperts(nn.Module):
 
     @torch.no_grad()
     def process_weights_after_loading(self):
-        """quantization="fp8" on an unquantized checkpoint: once every tensor is loaded, replace the
-        full-precision w13 / w2 by FP8 ones with per-output-channel scales (the full-precision
-        tensors are dropped). A no-op otherwise, and when called again."""
+        """quantization="fp8" on an unquantized checkpoint: once all is loaded, replace w13 / w2 by
+        FP8 ones with per-output-channel scales. A no-op otherwise, and when called again."""
         if not self.quantize_at_load or self.w13.dtype == fp8.FP8:
             return
         self.w13, self.w13_scale = quantize_experts_per_channel(self.w13)

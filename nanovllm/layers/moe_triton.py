@@ -1,37 +1,33 @@
 """The fused mixture-of-experts kernel: every token's top-k experts in two Triton launches.
 
-Each token t sends its hidden row to k experts; (t, slot j) is a "pair", P = T * k pairs in all,
-pair p = t * k + j. An expert's gated MLP is a pair of matmuls, so the pairs are grouped by expert
-and each group runs as one tiled matmul against that expert's weights:
+Token t's slot j is "pair" p = t * k + j, P = T * k pairs. The pairs are grouped by expert, and each
+group runs as one tiled matmul against its expert's weights:
 
-  align_by_expert   (plain PyTorch) sorts the pairs by expert and pads each expert's run to a
-                    multiple of BLOCK_M with the sentinel P, so a tile of BLOCK_M sorted pairs
-                    belongs to one expert only; block_expert[b] names the expert of tile b.
-  _gate_up_kernel   grid (tiles of BLOCK_M pairs, tiles of BLOCK_N intermediate columns): gathers
-                    the rows x[p // k] of its pairs, multiplies them by the expert's gate rows and
-                    up rows (two fp32 accumulators over the hidden dimension), and writes
-                    silu(gate) * up to row p of an intermediate buffer [P, I].
-  _down_kernel      the same grid over hidden columns: intermediate rows times the expert's w2,
-                    scaled by the pair's routing weight, written to row p of out_pairs [P, H] (fp32).
-Then out = out_pairs.view(T, k, H).sum(1): each token adds up its k slots.
+  align_by_expert   (plain PyTorch) sorts the pairs by expert, each expert's run padded with the
+                    sentinel P to whole tiles of BLOCK_M, so a tile belongs to one expert.
+  _gate_up_kernel   grid (tiles of BLOCK_M pairs, tiles of BLOCK_N intermediate columns): the rows
+                    x[p // k] times the expert's gate rows and up rows (two fp32 accumulators), and
+                    silu(gate) * up written to row p of an intermediate buffer [P, I].
+  _down_kernel      the same over hidden columns: intermediate rows times the expert's w2, times the
+                    pair's routing weight, to row p of out_pairs [P, H] (fp32).
+Then out = out_pairs.view(T, k, H).sum(1).
 
 FP8 weights (layers/quantization/fp8.py) are dequantized in registers, chosen by the constexpr
-SCALES, so the unquantized kernels (SCALES = NO_SCALES) are exactly the plain ones:
+SCALES (NO_SCALES compiles to the plain kernels):
   CHANNEL_SCALES  w[e, n, k] = q[e, n, k] * scale[e, n]: a per-output-column scale factors out of
-                  the sum over k, so the fp32 accumulator is multiplied by it once, after the loop.
+                  the sum over k, so it multiplies the fp32 accumulator once, after the loop.
   BLOCK_SCALES    w[e, n, k] = q[e, n, k] * scale_inv[e, n // GROUP_N, k // GROUP_K]: BLOCK_K
                   divides GROUP_K, so a K tile lies in one block column; each tile's product is
-                  scaled by its columns' block scales before it is added to the accumulator.
-Either way the fp8 tile is converted to the activation dtype first (exact: every e4m3 value is a
-bf16, fp16 and fp32 value), and the products accumulate in fp32.
+                  scaled by its columns' block scales before it is accumulated.
+The fp8 tile is converted to the activation dtype first (exact: every e4m3 value is a bf16, fp16 and
+fp32 value); the products accumulate in fp32.
 
-Nothing here reads a device value on the host, so a CUDA graph can capture it: the buffers and
-the grid are sized from the static bound max_padded = P + E * (BLOCK_M - 1) (rounded up to a
-whole tile), the actual padded length num_padded stays on the device, and tiles at or past it
-return at once.
+No device value is read on the host (CUDA-graph safe): buffers and grid are sized from the bound
+max_padded = P + E * (BLOCK_M - 1) (in whole tiles); tiles past the padded length num_padded, which
+stays on the device, return at once.
 
-Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on
-CPU tensors through Triton's interpreter; that is how the tests check them against torch_experts.
+Under TRITON_INTERPRET=1 (read at import: utils/triton_mode.py) the kernels run on CPU tensors in
+Triton's interpreter, as the tests check them against torch_experts.
 """
 import torch
 import triton
@@ -45,15 +41,12 @@ BLOCK_N = 64                   # output columns per program (bf16/fp16)
 BLOCK_K = 32                   # reduction step
 BLOCK_N_FP32 = 32              # fp32 takes the exact ("ieee") FMA path: smaller tiles, fewer registers
 
-# The weights' scales (the constexpr SCALES): none (the weights are in the activation dtype), one
-# per output channel, or one per GROUP_N x GROUP_K block (see the module docstring). tl.constexpr,
-# as a kernel may read a global only if it is one; the host passes their .value.
+# The constexpr SCALES (see the module docstring); tl.constexpr, as a kernel may read no other
+# globals. The host passes their .value.
 NO_SCALES, CHANNEL_SCALES, BLOCK_SCALES = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels
-# ---------------------------------------------------------------------------------------------
+# ---- kernels --------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(x_ptr, w13_ptr, mid_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, scale_ptr,
                     num_pairs, hidden, inter,
@@ -171,9 +164,7 @@ def _down_kernel(mid_ptr, w2_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_
              mask=pair_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# host side
-# ---------------------------------------------------------------------------------------------
+# ---- host side ------------------------------------------------------------------------------
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """Large tiles once an average expert fills one; small ones otherwise (less padding)."""
     return LARGE_BLOCK_M if num_pairs >= LARGE_BLOCK_M * num_experts else SMALL_BLOCK_M
@@ -183,11 +174,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs of ids [T, k] by expert, each expert's run padded to whole tiles.
 
-    Returns (sorted_pairs [max_padded] int64: pair indices t * k + j, the sentinel P in padding;
-    block_expert [max_padded / block_m] int64: the expert of each tile; num_padded [1] int64: the
-    padded length, on the device). max_padded = P + E * (block_m - 1) rounded up to a multiple of
-    block_m bounds any routing; tiles past num_padded hold sentinels (their block_expert is E - 1).
-    No host sync and no data-dependent shape: CUDA-graph safe.
+    Returns (sorted_pairs [max_padded] int64: pair indices, the sentinel P in padding; block_expert
+    [max_padded / block_m] int64: each tile's expert, E - 1 past num_padded; num_padded [1] int64: the
+    padded length, on the device). No host sync or data-dependent shape: CUDA-graph safe.
     """
     flat = ids.flatten().to(torch.int64)
     num_pairs = flat.numel()
@@ -233,13 +222,10 @@ def scale_arguments(w: torch.Tensor, scale: torch.Tensor | None, block: tuple[in
 def triton_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                    block: tuple[int, int] | None = None) -> torch.Tensor:
-    """The fused experts, same contract as torch_experts in layers/moe.py.
+    """The fused experts, same contract as torch_experts in layers/moe.py (weights float32, ids int64).
 
-    x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights [T, k] float32;
-    ids [T, k] int64. Returns [T, H] in x.dtype. FP8 weights come with their scales: per output
-    channel (block None) w13_scale [E, 2I], w2_scale [E, H]; per (bn, bk) block w13_scale
-    [E, 2I / bn, cdiv(H, bk)], w2_scale [E, cdiv(H, bn), cdiv(I, bk)], with I a multiple of bn
-    (the up rows' blocks start where the gate rows' end) and bk a multiple of BLOCK_K.
+    FP8 scales as scale_arguments takes them; per block, I must be a multiple of bn (the up rows'
+    blocks start where the gate rows' end) and bk one of BLOCK_K.
     """
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape

@@ -1,10 +1,9 @@
-"""top-k, top-p and min-p, exactly as a full sort of the vocabulary defines them, mostly without
-one: the filters' own module, loaded with the first row that uses one of them (layers/sampler.py).
+"""top-k, top-p and min-p, exactly as a full sort of the vocabulary defines them, mostly without one
+(loaded with the first row that uses one of them, layers/sampler.py).
 
-apply_top_k_top_p / apply_min_p are the semantics (a full sort). draw_filtered reproduces their
-draw from each row's NUM_CANDIDATES most likely tokens, with no host sync, and flags the rare rows
-the candidates cannot vouch for; those are drawn again the full way (Redo), when the host reads
-the step's tokens.
+apply_top_k_top_p / apply_min_p are the semantics (a full sort). draw_filtered reproduces their draw
+from each row's NUM_CANDIDATES most likely tokens, with no host sync, and flags the rare rows the
+candidates cannot vouch for, drawn again the full way (Redo) when the host reads the step's tokens.
 """
 from dataclasses import dataclass
 
@@ -16,8 +15,7 @@ from nanovllm.layers.inverse_transform import sample_from
 
 def apply_top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Zero all but each row's top_k most likely tokens (top_k <= 0: keep all) and all but the
-    smallest set whose mass reaches top_p (the most likely token always stays). probs: [B, V].
-    This full sort defines the semantics; sample_filtered reproduces it from a few candidates."""
+    smallest set whose mass reaches top_p (the most likely token always stays). probs: [B, V]."""
     sorted_probs, order = probs.sort(-1, descending=True)
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     drop = (top_ks[:, None] > 0) & (rank >= top_ks[:, None])
@@ -31,22 +29,20 @@ def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < min_ps[:, None] * probs.amax(-1, keepdim=True), 0.0)
 
 
-# Candidates per row: a full sort of a 150k vocabulary costs several times the rest of sampling,
-# while kept sets almost always lie within the 1024 most likely tokens (top_k <= 1023, or top_p /
-# min_p reached within them), which torch.topk finds far more cheaply. Other rows fall back.
+# Candidates per row: a full sort of a 150k vocabulary costs several times the rest of sampling, while
+# kept sets almost always lie within the 1024 most likely tokens, which torch.topk finds far cheaper.
 NUM_CANDIDATES = 1024
-# Margin on comparisons with top_p. The candidates' mass before each rank and the full sort's are
-# two float32 cumulative sums over the same leading values, bit-equal on the CPU (one term after
-# another) but not on CUDA, whose scans group the additions by the row's length: they may differ
-# by a few ulps (1.2e-7 near 1). So a row is vouched for only if no candidate's mass before it
-# lies within this margin of top_p (a token there could be kept by one and dropped by the other),
-# and a token past the candidates counts as dropped only if the candidates' mass passes top_p by
-# it. Rows that fail (about 2 * margin / the probability of the tokens at the cut) are redrawn.
+# Margin on comparisons with top_p. The candidates' mass before each rank and the full sort's are two
+# float32 cumulative sums over the same leading values, bit-equal on the CPU but not on CUDA, whose
+# scans group the additions by the row's length: a few ulps apart (1.2e-7 near 1). So a row is vouched
+# for only if no candidate's mass before it lies within this margin of top_p, and a token past the
+# candidates counts as dropped only if their mass passes top_p by it. Rows that fail (about 2 * margin
+# / the probability of the tokens at the cut) are redrawn.
 TOP_P_MARGIN = 1e-6
-# Our float64 cumulative sum over the kept candidates and sample_from's over the whole vocabulary
-# may group the terms differently (on CUDA); each is within V * 2**-53 of the exact sum (2e-11 of
-# the total for V = 150k). A target farther than CDF_TOLERANCE * total from every boundary picks
-# the same token from both; nearer (about one row in 10**9 per boundary), the row is redone.
+# Our float64 cumulative sum over the kept candidates and sample_from's over the vocabulary may group
+# terms differently (CUDA); each is within V * 2**-53 of the exact sum (2e-11 of the total at V = 150k),
+# so a target farther than CDF_TOLERANCE * total from every boundary picks the same token from both;
+# nearer (about one row in 10**9 per boundary), the row is redone.
 CDF_TOLERANCE = 1e-9
 
 
@@ -56,14 +52,13 @@ def filter_candidates(probs: torch.Tensor, top_ks: torch.Tensor | None, top_ps: 
     probs [B, V] -> (ids [B, K], kept probs [B, K] (0: dropped), exact [B]): where exact, the
     full-sort filters keep exactly these tokens with these probabilities and zero all others.
 
-    Why that holds: the K largest values are the same multiset however ties are ordered, so ranks
-    0..K-1 see the same sorted values, hence the same mass_before (cumsum is prefix-consistent)
-    and the same drop decision per rank. What can differ is (a) ranks >= K, not seen here: exact
-    needs a proof they are dropped (top_k <= K, mass reached, min_p threshold above the last
-    candidate, or probability 0); (b) which token holds a rank inside a run of equal values: the
-    full sort orders ties its own way (not stably on the CPU), so a run must be wholly kept or
-    wholly dropped, and the last candidate dropped (its run may continue past K). Zero-probability
-    tokens count as dropped: kept or not, they stay 0."""
+    Why: the K largest values are the same multiset however ties are ordered, so ranks 0..K-1 see
+    the same sorted values, mass_before (cumsum is prefix-consistent) and drop decisions. What can
+    differ is (a) ranks >= K, unseen: exact needs a proof they are dropped (top_k <= K, mass reached,
+    min_p threshold above the last candidate, or probability 0); (b) which token holds a rank in a
+    run of equal values (the full sort orders ties its own way, not stably on the CPU): a run must be
+    wholly kept or wholly dropped, and the last candidate dropped (its run may continue past K).
+    Zero-probability tokens count as dropped: kept or not, they stay 0."""
     k = NUM_CANDIDATES
     vals, ids = probs.topk(k, -1)  # [B, K] descending, ties in topk's own order
     drop = torch.zeros_like(vals, dtype=torch.bool)
@@ -97,10 +92,9 @@ def full_way(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | 
 
 def draw_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Tensor | None,
                   top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """full_way(...)'s tokens without sorting the vocabulary, and without a host sync: sample
-    among filter_candidates' kept tokens. Returns (tokens [B], redo [B] bool or None): where redo
-    is set the candidates cannot vouch for the token, which must be drawn again the full way (a
-    small vocabulary takes the full way at once: redo None). probs [B, V], uniform [B]."""
+    """full_way(...)'s tokens without sorting the vocabulary or a host sync: sample among
+    filter_candidates' kept tokens. probs [B, V], uniform [B] -> (tokens [B], redo [B] bool: the rows
+    to draw again the full way; None for a small vocabulary, drawn the full way at once)."""
     k = NUM_CANDIDATES
     if probs.shape[-1] <= k:
         return full_way(probs, uniform, top_ks, top_ps, min_ps), None
@@ -128,11 +122,10 @@ def sample_filtered(probs: torch.Tensor, uniform: torch.Tensor, top_ks: torch.Te
 
 @dataclass
 class Redo:
-    """Rows of a step whose draw_filtered token must be drawn again the full way. Learning which
-    rows takes a host sync, so the sampler only flags them on the device; the model runner redraws
-    them when the host reads the step's tokens anyway (SampledTokens.result()). With overlap
-    scheduling the next step has read the flagged tokens by then: the engine redoes that step for
-    those sequences (Scheduler.correct). Flagged rows are rare: see filter_candidates."""
+    """Rows of a step whose draw_filtered token must be drawn again the full way. Learning which takes
+    a host sync, so the sampler only flags them; the model runner redraws them when the host reads
+    the step's tokens anyway (SampledTokens.result()). With overlap scheduling the next step has read
+    the flagged tokens by then: the engine redoes it for those sequences (Scheduler.correct)."""
     mask: torch.Tensor                # [B] bool
     probs: torch.Tensor               # [B, V] what the row was drawn from, kept until then
     uniform: torch.Tensor             # [B]

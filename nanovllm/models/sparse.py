@@ -1,8 +1,6 @@
 """What the mixture-of-experts families share: the decoder, with some layers' MLP a router plus
-experts (layers/moe.py), and the expert tensors of a published checkpoint
-(`...experts.E.{gate,up,down}_proj.weight`, or Mixtral's `w1`/`w3`/`w2`) packed into each
-layer's w13 and w2 as they load (and an FP8 checkpoint's `...weight_scale_inv` beside each, into
-w13_scale_inv and w2_scale_inv)."""
+experts (layers/moe.py), whose checkpoint tensors (`...experts.E.{gate,up,down}_proj.weight`, Mixtral's
+`w1`/`w3`/`w2`, and FP8's `...weight_scale_inv`) are packed into w13 / w2 (and their scales) as they load."""
 import re
 
 from torch import nn
@@ -27,8 +25,7 @@ def num_experts_of(config: PretrainedConfig) -> int:
 
 
 class SparseDecoderForCausalLM(DecoderForCausalLM):
-    """A family says which layers are sparse, how wide its experts are and whether the router's
-    top-k weights are renormalized."""
+    """A family says which layers are sparse, how wide its experts are, whether top-k is renormalized."""
 
     @staticmethod
     def is_sparse(config: PretrainedConfig, layer_index: int) -> bool:

@@ -1,7 +1,6 @@
-"""Tiny random-weight Hugging Face model folders, built locally (no downloads), for tests and demos.
-
-Each folder holds config.json, model.safetensors and a byte-level BPE tokenizer trained here on a
-few sentences (with an EOS token), exactly as `from_pretrained` expects them.
+"""Tiny random-weight Hugging Face model folders, built locally (no downloads), for tests and demos:
+config.json, model.safetensors and a byte-level BPE tokenizer trained here on a few sentences (with an
+EOS token), as `from_pretrained` expects them.
 """
 import glob
 import json
@@ -58,9 +57,8 @@ def build_tokenizer(path: str, vocab_size: int = 400, chat_template: bool = Fals
     return fast
 
 
-# arch -> (Hugging Face config class, model class). Every family gets the same tiny sizes; what
-# distinguishes one (biases, rope scaling, sliding window, ...) comes from its config class's
-# defaults or from **overrides.
+# arch -> (Hugging Face config class, model class), all of the same tiny sizes; what distinguishes a
+# family (biases, rope scaling, sliding window, ...) comes from its config class's defaults or **overrides.
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -77,10 +75,9 @@ MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_inte
 def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, chat_template: bool = False,
                 **overrides) -> str:
     """Write a tiny random-weight model of family `arch` (a key of FAMILIES) to `path`; returns path.
-    chat_template: give its tokenizer a ChatML chat template.
-
-    Weights are drawn with a larger spread than real checkpoints (initializer_range 0.2) so the
-    logits are far apart and greedy decoding is robust to float rounding differences.
+    chat_template: give its tokenizer a ChatML chat template. Weights have a larger spread than real
+    checkpoints' (initializer_range 0.2), so logits are far apart and greedy decoding is robust to
+    float rounding differences.
     """
     import transformers
 
@@ -110,17 +107,17 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
 
 
 # ---- quantized checkpoints, in the published formats ----------------------------------------------
-# The linear layers' weights of a decoder layer (experts' included); routers, embeddings, norms
-# and the LM head stay as they are, as in the published checkpoints.
+# Decoder layers' linear weights (experts' included); routers, embeddings, norms and the LM head stay.
 LINEAR_WEIGHT = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                    "weight_block_size": [128, 128]}
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
 
 
 def edit_model(src, dst, edit_tensors=None, edit_config=None) -> str:
-    """Copy model folder src to dst, each weights file's tensors through edit_tensors(dict) (which
-    changes the dict in place) and config.json's contents through edit_config(dict); returns dst.
-    Tests make broken or converted checkpoints with it."""
+    """Copy model folder src to dst, each weights file's tensors through edit_tensors(dict) and
+    config.json's contents through edit_config(dict) (both edit in place); returns dst. Tests make
+    broken or converted checkpoints with it."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
     if edit_tensors is not None:
         for file in sorted(glob.glob(os.path.join(dst, "*.safetensors"))):
@@ -141,9 +138,7 @@ def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> s
     """Copy model folder src to dst, each tensor through convert(name, tensor) -> {name: tensor},
     config.json's quantization_config set (None: removed)."""
     def convert_all(tensors: dict):
-        converted = {}
-        for name, tensor in tensors.items():
-            converted.update(convert(name, tensor))
+        converted = {new: t for name, tensor in tensors.items() for new, t in convert(name, tensor).items()}
         tensors.clear()
         tensors.update(converted)
 
@@ -156,10 +151,9 @@ def _rewrite(src: str, dst: str, convert, quantization_config: dict | None) -> s
 
 
 def quantize_checkpoint(src: str, dst: str, method: str, modules_to_not_convert: list[str] = ()) -> str:
-    """Write model folder src's linear layers to dst quantized as the published checkpoints are:
-    method "fp8" (Qwen3-*-FP8: `weight` fp8 e4m3 + float32 `weight_scale_inv` per 128 x 128 block)
-    or "awq" (Qwen3-*-AWQ: `qweight` / `qzeros` int32 in AWQ's nibble order, fp16 `scales`).
-    Layers whose name contains an entry of modules_to_not_convert are kept."""
+    """Write model folder src's linear layers to dst quantized as the published checkpoints are, by
+    method "fp8" (Qwen3-*-FP8: 128 x 128 blocks) or "awq" (Qwen3-*-AWQ); layers whose name contains
+    an entry of modules_to_not_convert are kept."""
     def convert(name, tensor):
         if not LINEAR_WEIGHT.search(name) or any(m in name for m in modules_to_not_convert):
             return {name: tensor}

@@ -1,14 +1,12 @@
 """Triton's mode, compiled (CUDA tensors) or interpreted (CPU tensors), which is one per process.
 
-TRITON_INTERPRET is read when `triton` is first imported, which builds triton.language's own
-helpers (tl.cdiv, tl.sigmoid, ...) either as interpreted functions or as compiled ones, and again
-when each @triton.jit kernel is defined. Neither can be rebuilt afterwards, and the two kinds do
-not mix: an interpreted kernel that calls a compiled tl.cdiv fails with "Cannot call @triton.jit'd
-outside of the scope of a kernel". So the mode cannot be scoped to one engine: the first user of
-Triton in the process picks it, and a later user that needs the other one is refused here, at
-start-up and with the reason, instead of failing inside its first kernel. (Compiled kernels cannot
-read CPU tensors; interpreted ones copy CUDA tensors to the host and back at every launch, which is
-slow and breaks CUDA-graph capture.)
+TRITON_INTERPRET is read when `triton` is first imported, which builds triton.language's helpers
+(tl.cdiv, ...) as interpreted or compiled functions, and again as each @triton.jit kernel is defined.
+Neither can be rebuilt, and the kinds do not mix (an interpreted kernel calling a compiled tl.cdiv
+fails with "Cannot call @triton.jit'd outside of the scope of a kernel"). So the first user of Triton
+in the process picks the mode, and a later user that needs the other is refused here, at start-up
+with the reason. (Compiled kernels cannot read CPU tensors; interpreted ones copy CUDA tensors to the
+host and back at every launch: slow, and no CUDA-graph capture.)
 """
 import functools
 import importlib
@@ -26,8 +24,8 @@ def _jit_kinds(namespace) -> set[str]:
 @functools.cache
 def import_kernels(module_name: str, device: str, user: str):
     """Import `module_name` (which defines @triton.jit kernels) for tensors on `device`, or raise
-    ValueError when this process's Triton runs in the other mode. `user` names what needs the
-    kernels, for the message. Cached: the fused MoE layer asks at every forward."""
+    ValueError when this process's Triton runs in the other mode (`user`: what needs the kernels).
+    Cached: the fused MoE layer asks at every forward."""
     interpret = device == "cpu"
     if interpret and "triton" not in sys.modules:
         # Process-wide on purpose (see above): this process's Triton is now the interpreter.
@@ -57,8 +55,8 @@ def import_kernels(module_name: str, device: str, user: str):
 
 
 def check_kernel_device(module_name: str, interpreted: bool, *tensors):
-    """ValueError unless the tensors share one device, the one a kernel of module_name (built
-    interpreted or compiled) can read: CPU tensors for interpreted kernels, CUDA ones otherwise."""
+    """ValueError unless the tensors share one device that module_name's kernels can read (CPU when
+    interpreted, CUDA when compiled)."""
     device = tensors[0].device
     if any(t.device != device for t in tensors):
         raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")

@@ -1,10 +1,9 @@
 """flash-attn's kernels (CUDA, `pip install flash-attn`): paged varlen attention for steps with
 prefill chunks or cached prefixes, `flash_attn_with_kvcache` for decode-only steps.
 
-flash-attn reads the paged cache in pages of 256 tokens, hence block_size % 256 == 0 (Config
-checks it). Causal masks are aligned to the bottom right: query j of n attends to keys up to
-L - n + j, exactly our convention. Its kernels read K/V in the query's dtype only, so
-kv_cache_dtype="fp8" needs another backend.
+It reads the paged cache in pages of 256 tokens, hence block_size % 256 == 0 (Config checks it), and
+K/V in the query's dtype only (no kv_cache_dtype="fp8"). Its causal masks are aligned to the bottom
+right (query j of n sees keys up to L - n + j), as ours.
 """
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 

@@ -1,63 +1,52 @@
 """The Triton backend: our own kernels for the paged KV cache.
 
-Three kernels and one reduction:
-  _store_kv_kernel   copies each new token's K and V ([Hkv, D]) to cache slot slot_mapping[t],
-                     a few tokens per program; a slot of -1 (CUDA-graph padding) is skipped.
-  _prefill_kernel    flash-attention (online softmax, fp32) over tiles of BLOCK_M rows x BLOCK_N
-                     keys, for steps with multi-token queries: either over the fresh K/V (no
-                     sequence has cached context) or over the paged cache (prefill chunks after a
-                     cached prefix). GQA-aware: the BLOCK_M rows of a program are (query,
-                     head-in-group) pairs of ONE kv head, so each K/V tile is loaded once for the
-                     whole group of H/Hkv query heads. Its grid is sized by each sequence's own
-                     query count (see "Work items" below), not by the longest one's.
-  _decode_kernel     split-KV decode, grid (B, Hkv, num_splits): a program takes all H/Hkv query
-                     heads of one kv head (padded to >= 16 rows for tl.dot) and one share of the
-                     context; it writes a partial (max, sum, acc) per split
-  _reduce_kernel     and this combines the splits (skipped when num_splits == 1).
+  _store_kv_kernel   copies each new token's K and V ([Hkv, D]) to cache slot slot_mapping[t], a few
+                     tokens per program; a slot of -1 (CUDA-graph padding) is skipped.
+  _prefill_kernel    flash-attention (online softmax, fp32) in tiles of BLOCK_M rows x BLOCK_N keys, for
+                     multi-token queries, over the fresh K/V (no cached context) or the paged cache.
+                     GQA-aware: a program's BLOCK_M rows are (query, head-in-group) pairs of ONE kv head,
+                     so each K/V tile is loaded once for all H/Hkv query heads. Its grid follows each
+                     sequence's own query count ("Work items" below), not the longest one's.
+  _decode_kernel     split-KV decode: a program takes all H/Hkv query heads of one kv head (padded to
+                     >= 16 rows for tl.dot) and one share of the context, writing a partial (max, sum, acc)
+  _reduce_kernel     combines the splits' partials (skipped when num_splits == 1).
 
-Mixed steps (prefill chunks beside decode rows, over the paged cache) run both: the decode kernel
-takes the sequences with exactly one new token, with split-KV, and the prefill kernel the others.
-One kernel for all would give each decode row a single unsplit program per kv head walking its
-whole context while the chunk's programs run, and a grid of max_q's tiles for every sequence
-launches mostly idle programs: an 8K-token chunk beside 255 decode rows, 4 query heads per kv
-head, made 512 x 256 programs per kv head for ~800 tiles of work. The split count of the decode
-rows comes from context_num_splits as in a decode-only step (B, not the padded batch: a mixed
-step is never a graph replay), so a row's bits may differ between the two kinds of step.
+Mixed steps (prefill chunks beside decode rows) run both: split-KV decode for the sequences with one
+new token, the prefill kernel for the others. One kernel for all would walk each decode row's whole
+context in one program, and a grid of max_q's tiles per sequence is mostly idle (an 8K-token chunk
+beside 255 decode rows, 4 query heads per kv head: 512 x 256 programs per kv head for ~800 tiles). The
+decode rows' split count uses B, not the padded batch (a mixed step is never a graph replay), so a
+row's bits may differ between the two kinds of step.
 
-Work items of the prefill kernel. Sequence b has n_b = cu_q[b+1] - cu_q[b] new queries, i.e.
-n_b * GROUP rows, in cdiv(n_b * GROUP, BLOCK_M) tiles. Its first tile is work item
+Work items of the prefill kernel. Sequence b has n_b = cu_q[b+1] - cu_q[b] new queries, i.e. r =
+n_b * GROUP rows in cdiv(r, BLOCK_M) tiles, the first of them work item
     first(b) = (cu_q[b] * GROUP) // BLOCK_M + b,
-which leaves room for all its tiles before first(b+1) (floor((c + r) / M) - floor(c / M) + 1 >=
-cdiv(r, M) for r = n_b * GROUP rows), and every tile of the step fits below
-(T * GROUP) // BLOCK_M + B. So the grid is that many programs per kv head, from shapes only (no
-host sync, CUDA-graph safe), at most B of them idle; a program finds its sequence by a binary
-search of first() over cu_q, which is increasing in b.
+which leaves room for all of them before first(b+1) (floor((c + r) / M) - floor(c / M) + 1 >= cdiv(r, M)),
+and every tile of the step fits below (T * GROUP) // BLOCK_M + B: the grid per kv head, from shapes
+only (CUDA-graph safe), at most B programs idle. A program finds its sequence by a binary search of
+first() over cu_q (increasing in b).
 
-The decode path never reads a device value on the host, so a CUDA graph can capture it:
-num_splits comes from shapes only (see decode_num_splits) and each split reads its sequence's
-length from device memory, taking an equal share of it in whole tiles. In the engine the shapes
-are the padded batch and max_model_len (context_num_splits), the same for an eager step and its
-CUDA-graph replay, so both give the same bits and a row does not depend on the others' lengths.
+The decode path reads no device value on the host (CUDA-graph safe): num_splits comes from shapes
+(context_num_splits: the same for an eager step and its replay, hence the same bits), and each split
+takes an equal share, in whole tiles, of its own sequence's length as read on the device (a row does
+not depend on the others' lengths).
 
 Softmax runs in base 2 (exp2 of scores pre-multiplied by scale * log2(e)). The running max starts
 at a large negative *finite* number, so a row that has seen no valid key yet gets
 exp2(-inf - NEG_BIG) = 0 and alpha = exp2(0) = 1 instead of NaN from (-inf) - (-inf).
 
-An fp8 KV cache holds fp8(clamp(K / k_scale)) and likewise V (torch_ref.py). KV_FP8 is a
-constexpr: with it off the kernels compile to the same code as before fp8 (their two scale
-pointers are never read), so an unquantized cache pays nothing. _store_kv_kernel quantizes on the
-way in; the attention kernels load fp8 tiles and convert them to the query's dtype (exact: every
-e4m3 value is a bf16, fp16 and fp32 value), then fold the scales in rather than multiplying each
-element: q.(k_scale * k) = k_scale * (q.k), so k_scale joins the softmax scale, and
-sum p (v_scale * v) = v_scale * sum p v, so v_scale multiplies the accumulator once at the end
-(before the split-KV partials are written: the reduction is linear in them). The scales are read
-from device memory (the layer's 0-dim tensors), never baked in: a CUDA graph stays valid.
-The fresh-prefill path (no block tables) over an fp8 cache reads the new K/V quantized as the
-cache holds them (torch_ref.quantize_kv, bit for bit what _store_kv_kernel writes), as
-TorchBackend does: a token's output does not depend on how its prompt was chunked or cached.
+An fp8 KV cache holds fp8(clamp(K / k_scale)) and likewise V (torch_ref.py). With the constexpr
+KV_FP8 off the kernels compile as without fp8 (scale pointers unread). _store_kv_kernel quantizes on
+the way in; the attention kernels convert fp8 tiles to the query's dtype (exact: every e4m3 value is a
+bf16, fp16 and fp32 value) and fold the scales in: k_scale joins the softmax scale (q.(k_scale * k) =
+k_scale * (q.k)), and v_scale multiplies the accumulator once at the end, before the split-KV partials
+(the reduction is linear). The scales are the layer's 0-dim tensors, read on the device: a CUDA graph
+stays valid. Fresh prefill over an fp8 cache reads the new K/V quantized as the cache holds them
+(torch_ref.quantize_kv, bit for bit _store_kv_kernel's), as TorchBackend does, so a token's output does
+not depend on how its prompt was chunked or cached.
 
-Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on
-CPU tensors through Triton's interpreter; that is how the tests check them against TorchBackend.
+Under TRITON_INTERPRET=1 (read at import: utils/triton_mode.py) the kernels run on CPU tensors in
+Triton's interpreter, as the tests check them against TorchBackend.
 """
 import functools
 
@@ -69,19 +58,16 @@ from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, quantize_kv
 from nanovllm.utils.context import Context
 
 LOG2E = 1.4426950408889634     # exp(x) == exp2(x * log2(e))
-# Finite stand-in for -inf as the initial running max (see above). A constexpr, because
-# @triton.jit code may only read globals that are constexprs (compiled Triton >= 3.2 enforces it).
+# The initial running max (see above); a constexpr, as @triton.jit code may read no other globals.
 NEG_BIG = tl.constexpr(-1.0e30)
 FP8_MAX = tl.constexpr(448.0)  # e4m3fn's largest finite value (torch_ref.FP8_MAX): stored values clamp there
 
-# Tile sizes. tl.dot operands need >= 16 rows and columns on NVIDIA GPUs, so every tile has.
-# Chosen by compiling for sm_90 (no GPU at hand to time them): with these, ptxas reports no
-# register spills for bf16/fp16 at head_dim 64 and 128 (prefill ~190 registers and 80 KB shared
-# memory at D=128, decode ~110 registers and 39 KB).
+# Tile sizes, each >= 16 (tl.dot's minimum on NVIDIA GPUs). Chosen by compiling for sm_90, untimed:
+# ptxas reports no spills for bf16/fp16 at head_dim 64 and 128 (D=128: prefill ~190 registers and
+# 80 KB shared memory, decode ~110 registers and 39 KB).
 PREFILL_BLOCK_M = 64           # (query, head-in-group) rows per prefill program
 PREFILL_BLOCK_N = 64           # keys per inner iteration
-# fp32 operands take the exact ("ieee") FMA path rather than tensor cores; 64x64 tiles spill
-# kilobytes there, 32x16 at most 0.5 KB. fp32 is for tests, not serving.
+# fp32 (tests, not serving) takes the exact ("ieee") FMA path: 64x64 tiles spill kilobytes, 32x16 <= 0.5 KB
 PREFILL_BLOCK_M_FP32 = 32
 PREFILL_BLOCK_N_FP32 = 16
 PREFILL_BLOCK_N_WIDE_HEADS = 32  # head_dim > 128: halves the K/V tiles (no spills at D=256, 96 KB shared)
@@ -90,31 +76,25 @@ STORE_KV_ELEMENTS = 4096       # elements of K (and of V) per store_kv program: 
 MIN_DOT_ROWS = 16              # the decode kernel pads its H/Hkv query heads to this many rows
 MAX_HEAD_DIM = 256             # Q, K and V tiles of BLOCK_D columns must fit in registers/shared memory
 
-# Split-KV heuristic (decode_num_splits). A decode step with few sequences has too few
-# (sequence, kv head) programs to fill the GPU; splitting each context into num_splits shares
-# multiplies the programs, at the cost of a reduction pass.
+# Split-KV (decode_num_splits): few sequences make too few (sequence, kv head) programs to fill the
+# GPU; num_splits shares of each context multiply them, at the cost of a reduction pass.
 DEFAULT_NUM_SMS = 132          # H100/H200 SXM; used where the device cannot be asked (CPU/interpreter)
 TARGET_WAVES = 2               # aim for this many programs per SM, so stragglers balance out
 MIN_KEYS_PER_SPLIT = 128       # a share shorter than two tiles is not worth its partial-result traffic
 MAX_SPLITS = 64                # bounds the reduce kernel's tile and the partial-result buffers
 
-# Compile-time specialization. Triton compiles a kernel variant per distinct key of its integer
-# arguments: whether each equals 1 (then a constant) or is divisible by 16 (then an alignment
-# hint). Arguments that change from step to step would compile new variants mid-run, so these are
-# do_not_specialize: token counts, the block-table row stride (W grows with the longest context
-# of an eager step) and everything derived from num_splits. Kept specialized: the Q/K/V/out/cache
-# strides. They are fixed by the model's shapes (no new variants), the innermost ones are 1, which
-# tells the compiler the head_dim axis is contiguous so it can issue 16-byte vector loads/stores,
-# and the outer ones, multiples of 16, let it prove that every row starts aligned.
+# Specialization: Triton compiles a variant per key of its integer arguments (== 1: a constant;
+# divisible by 16: an alignment hint), so arguments that change between steps are do_not_specialize:
+# token counts, the block-table row stride (W grows with an eager step's longest context) and all
+# derived from num_splits. The Q/K/V/out/cache strides stay specialized: fixed by the model's shapes,
+# innermost 1 (head_dim contiguous: 16-byte vector loads/stores), outer multiples of 16 (rows aligned).
 STORE_KV_DYNAMIC_ARGS = ["num_tokens"]
 PREFILL_DYNAMIC_ARGS = ["s_bt", "num_seqs"]
 DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits"]   # s_mb = H * num_splits, s_mh = num_splits
 REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits"]
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels
-# ---------------------------------------------------------------------------------------------
+# ---- kernels --------------------------------------------------------------------------------
 @triton.jit
 def _round_to_e4m3(x):
     """fp32 x, |x| <= FP8_MAX -> the nearest e4m3 value (ties to even), still fp32, so that the
@@ -375,9 +355,7 @@ def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cu_q_ptr,
     tl.store(out_ptr + row * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-# ---------------------------------------------------------------------------------------------
-# host side
-# ---------------------------------------------------------------------------------------------
+# ---- host side ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (host-side metadata, no sync)."""
@@ -389,10 +367,9 @@ def _num_sms(device: torch.device) -> int:
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
     """How many shares each decode context is split into, from shapes only (CUDA-graph safe).
 
-    max_context bounds every context (block-table width * block_size). Enough splits that
-    batch * num_kv_heads * splits reaches TARGET_WAVES programs per SM, but no share shorter
-    than MIN_KEYS_PER_SPLIT of the bound, and at most MAX_SPLITS. E.g. on 132 SMs with 8 kv
-    heads: batch 1 over 4096 tokens -> 32 splits; batch 8 -> 5; batch >= 33 -> 1 (no reduce).
+    Enough that batch * num_kv_heads * splits reaches TARGET_WAVES programs per SM, with no share of
+    max_context (the bound on every context) under MIN_KEYS_PER_SPLIT, at most MAX_SPLITS. E.g. 132
+    SMs, 8 kv heads, 4096 tokens: batch 1 -> 32 splits; batch 8 -> 5; batch >= 33 -> 1 (no reduce).
     """
     want = triton.cdiv(TARGET_WAVES * num_sms, max(1, batch * num_kv_heads))
     cap = max(1, max_context // MIN_KEYS_PER_SPLIT)
@@ -402,13 +379,11 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
 def context_num_splits(context: Context, num_kv_heads: int, block_size: int, num_sms: int) -> int:
     """The split count of a decode step, from what its context says about the step's bounds.
 
-    From context.padded_batch and context.max_model_len (as the model runner fills them), never from
-    the batch or the block-table width, which differ between an eager step (B rows, W = its longest
-    context's blocks) and its CUDA-graph replay (padded rows, W = max_blocks_per_seq). A different
-    count cuts a context at other tile boundaries and sums the partials in another order, i.e.
-    other bf16 bits. Short contexts then leave some splits empty, as captured graphs always did.
-    Contexts without those fields (direct calls, tests) fall back to B and W. The decode rows of a
-    mixed step (padded_batch 0) fall back to B, which counts the step's prefill chunks too.
+    From context.padded_batch and max_model_len, not the batch or block-table width, which differ
+    between an eager step (B rows, W = its longest context's blocks) and its graph replay (padded
+    rows, W = max_blocks_per_seq): another count sums other tiles in another order, i.e. other bf16
+    bits. Without those fields (direct calls, tests; padded_batch 0: a mixed step's decode rows, B
+    counting its prefill chunks too) B and W stand in.
     """
     batch = context.padded_batch or context.block_tables.shape[0]
     bound = context.max_model_len or context.block_tables.shape[1] * block_size
@@ -440,17 +415,14 @@ def _check(q: torch.Tensor, k: torch.Tensor | None, context: Context) -> tuple[i
 
 
 def prefill_num_work_items(num_tokens: int, batch: int, group: int, block_m: int) -> int:
-    """Programs per kv head of _prefill_kernel: every sequence's tiles of BLOCK_M (query,
-    head-in-group) rows, each sequence starting at its work item first(b) (see the module's
-    docstring). From shapes only: T (q's rows, >= cu_seqlens_q[B]) and B."""
+    """Programs per kv head of _prefill_kernel (see "Work items" at the top), from shapes only: T
+    (q's rows, >= cu_seqlens_q[B]) and B."""
     return num_tokens * group // block_m + batch
 
 
 def _may_have_decode_rows(context: Context) -> bool:
-    """False only when the host copy of cu_seqlens_q shows no sequence with one new query (then
-    the decode launch of a mixed step would be all idle programs). any() stops at the first such
-    sequence, and the scheduler puts the running (decoding) sequences first: O(1) in a mixed
-    step, O(B) in a step of prefill chunks only."""
+    """False only when the host copy of cu_seqlens_q shows no sequence with one new query (the decode
+    launch would be all idle). O(1) in a mixed step (the scheduler puts decoding sequences first)."""
     cu = context.cu_seqlens_q_cpu
     return cu is None or any(b - a == 1 for a, b in zip(cu, cu[1:]))
 
@@ -470,9 +442,7 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
     group = num_heads // num_kv_heads
     batch = context.cu_seqlens_q.shape[0] - 1
     paged = context.block_tables is not None
-    if paged:
-        if k_cache is None:
-            raise ValueError("context.block_tables is set but the attention layer has no KV cache")
+    if paged:                               # (forward checked that there is a cache)
         key, value, block_size, bt = k_cache, v_cache, k_cache.shape[1], context.block_tables
         ks, vs, s_bt = k_cache.stride(), v_cache.stride(), bt.stride(0)
         seq_lens = context.seq_lens_k
@@ -508,12 +478,9 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
-    cu_seqlens_q [B+1] (mixed steps): q and out are instead all T rows of the step, [T, H, D];
-    sequence b's rows are cu_seqlens_q[b] .. cu_seqlens_q[b+1], and only the sequences with
-    exactly one are attended here (their row of out written, the others' rows left alone).
-    No host sync, no device value read: safe under CUDA-graph capture. num_splits=None picks
-    decode_num_splits(...) from these shapes; TritonBackend.forward passes context_num_splits.
-    k_scale, v_scale: an fp8 cache's (see kv_scales).
+    cu_seqlens_q [B+1] (mixed steps): q and out are all T rows of the step, [T, H, D], and only the
+    sequences with one row are attended (their row of out written). No host sync: CUDA-graph safe.
+    num_splits=None: decode_num_splits of these shapes. k_scale, v_scale: see kv_scales.
     """
     num_rows, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
@@ -582,9 +549,9 @@ class TritonBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
+        if context.block_tables is not None and k_cache is None:
+            raise ValueError("context.block_tables is set but the attention layer has no KV cache")
         if context.decode_only and context.block_tables is not None:
-            if k_cache is None:
-                raise ValueError("context.block_tables is set but the attention layer has no KV cache")
             num_splits = context_num_splits(context, k_cache.shape[2], k_cache.shape[1], _num_sms(q.device))
             return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits,
                           k_scale=k_scale, v_scale=v_scale)

@@ -4,10 +4,9 @@
            (quantization="fp8"), or the 128 x 128 block-scaled checkpoints (Qwen3-*-FP8)
   awq.py   AWQ int4 checkpoints (Qwen3-*-AWQ): 4 bits, groups of 128 inputs, zero points
 
-`QuantizationConfig.resolve(argument, hf_config)` reads what the user asked for and what
-config.json's quantization_config says, and checks they agree. Models are built in its
-`quantization_scope` (layers/linear.py), whose linear layers then call its `linear_method`.
-This package is imported only when the caller or the checkpoint asks for quantization.
+`QuantizationConfig.resolve(argument, hf_config)` checks that what the user asked for and config.json's
+quantization_config agree. Models built in its `quantization_scope` (layers/linear.py) call its
+`linear_method`. The package is imported only when the caller or the checkpoint asks for quantization.
 """
 from dataclasses import dataclass
 
@@ -30,9 +29,8 @@ class QuantizationConfig:
 
     @classmethod
     def resolve(cls, argument: str | None, hf_config) -> "QuantizationConfig | None":
-        """The quantization of an engine: from config.json's quantization_config if it has one (the
-        argument, if given, must name the same method), else quantization="fp8" quantizes the
-        linear layers at load. None: unquantized."""
+        """The quantization of an engine: config.json's quantization_config if it has one (the argument,
+        if given, must name the same method), else quantization="fp8" quantizes at load; or None."""
         if argument is not None and argument not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got {argument!r}")
         checkpoint = getattr(hf_config, "quantization_config", None)
@@ -82,9 +80,9 @@ class QuantizationConfig:
 
     def skips(self, prefix: str) -> bool:
         """Whether the layer named `prefix` (model.layers.0.mlp.down_proj) stays unquantized: a
-        modules_to_not_convert entry names it, or a run of its dotted parts ("lm_head",
-        "mlp.down_proj", "layers.0"). A packed layer goes by its checkpoint parts (qkv_proj by
-        q_proj, k_proj and v_proj), which must then all be listed or none."""
+        modules_to_not_convert entry names a run of its dotted parts ("lm_head", "mlp.down_proj",
+        "layers.0"). A packed layer goes by its checkpoint parts (qkv_proj by q_proj, k_proj and v_proj),
+        which must then all be listed or none."""
         parent, _, leaf = prefix.rpartition(".")
         parts = [f"{parent}.{part}" for part in PACKED_PARTS.get(leaf, (leaf,))]
         skipped = [any(names_module(entry, part) for entry in self.modules_to_not_convert) for part in parts]
@@ -94,8 +92,8 @@ class QuantizationConfig:
         return all(skipped)
 
     def linear_method(self, prefix: str):
-        """The method of the linear layer named `prefix` (None: it stays unquantized): the hook
-        layers/linear.py calls. A scheme's module is imported when a model is built with it."""
+        """The method of the linear layer named `prefix` (None: unquantized), for layers/linear.py; a
+        scheme's module is imported when a model is built with it."""
         if self.skips(prefix):
             return None
         if self.method == "awq":

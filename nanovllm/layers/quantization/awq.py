@@ -56,10 +56,8 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 
 class AwqLinearMethod:
-    """An AWQ checkpoint's qweight / qzeros / scales load as they are (column-parallel layers shard
-    their output features, 8 to a word; row-parallel ones their input rows, whole groups). The GEMM
-    on CUDA: our Triton W4A16 kernel, which unpacks in registers; elsewhere the weight dequantized
-    and a matmul."""
+    """An AWQ checkpoint's qweight / qzeros / scales load as they are (sharded by whole words of output
+    features or whole groups of input rows). The GEMM: our Triton kernel on CUDA, else a matmul."""
 
     def __init__(self, group: int):
         self.group = group

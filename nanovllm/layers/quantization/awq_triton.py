@@ -5,28 +5,22 @@ awq.py holds the format and its arithmetic in plain PyTorch; this kernel compute
   W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]; q[k, 8c + j] is nibble AWQ_NIBBLE[j] of
   qweight[k, c], AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7), i.e. nibble (j // 2) + 4 (j % 2).
 
-  _awq_gemm_kernel   grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N), S): each program owns a [BLOCK_M, BLOCK_N]
-                     output tile and walks its split's share of K (all of it when S = 1) in steps
-                     of BLOCK_K. Per step it loads the packed words of its tile,
-                     qweight[k-tile, BLOCK_N / 8 words] (int32, BLOCK_N / 2 bytes per row),
-                     repeats each word 8 times along N (three tl.interleave, in registers),
-                     shifts column n by 4 * nibble(n % 8) and masks 4 bits; the same for the group's
-                     zero points (one packed row: BLOCK_K divides g, so a K tile lies in one group)
-                     and its scales. The tile W = (q - z) * s is formed in fp32 (exact: a 4-bit
-                     integer times an fp16 scale), rounded once to x's dtype, and multiplied by the
-                     x tile in tl.dot with an fp32 accumulator. The whole W is never in memory.
-  split-K (split_k.py) at decode, when ceil(N / BLOCK_N) programs would leave SMs idle: S > 1
-                     splits of whole K tiles (each inside one group), fp32 partials into a
-                     workspace [S, T, N], summed in a fixed order by split_k._sum_splits_kernel and
-                     rounded once to x's dtype. S = 1 writes the output directly.
+  _awq_gemm_kernel   [BLOCK_M, BLOCK_N] output tiles over K tiles of BLOCK_K. Per K tile it loads the
+                     packed words, qweight[k-tile, BLOCK_N / 8 words] (BLOCK_N / 2 bytes per row),
+                     repeats each word 8 times along N (three tl.interleave, in registers), shifts
+                     column n by 4 * nibble(n % 8) and masks 4 bits; likewise the group's zero points
+                     (one packed row: BLOCK_K divides g, so a K tile lies in one group) and scales.
+                     W = (q - z) * s is formed in fp32 (exact: a 4-bit integer times an fp16 scale),
+                     rounded once to x's dtype, and fed to tl.dot with an fp32 accumulator.
+  split-K (split_k.py) at decode, when the N tiles leave SMs idle: S > 1 splits of whole K tiles,
+                     their fp32 partials summed in a fixed order; S = 1 writes the output directly.
 K is a multiple of g (the format's groups) and N of 8 (the packing), both checked; T is masked.
 
-Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernel runs on CPU
-tensors through Triton's interpreter, which is how tests/test_quant_kernels.py checks it. The
-interpreter's tl.dot multiplies bf16 operands as the uint16 integers it stores them in (triton
-3.9), so there (DOT_IN_FP32, set for CPU tensors) both tiles are widened to fp32 just before the
-dot, after W's rounding to x's dtype: the same products, summed in fp32 as on the GPU. (Its
-fp32 -> bf16 casts truncate instead of rounding to nearest; the tests allow a whole bf16 ulp.)
+Under TRITON_INTERPRET=1 (read at import) the kernel runs on CPU tensors in Triton's interpreter, as
+tests/test_quant_kernels.py checks it. That interpreter's tl.dot multiplies bf16 operands as the uint16
+integers it stores them in (triton 3.9), so there (DOT_IN_FP32) both tiles are widened to fp32 just
+before the dot, after W's rounding to x's dtype: the same products, summed in fp32 as on the GPU. (Its
+fp32 -> bf16 casts truncate; the tests allow a bf16 ulp.)
 """
 import torch
 import triton
@@ -37,25 +31,19 @@ from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split
                                                   workspace)
 from nanovllm.utils.triton_mode import check_kernel_device
 
-# Tiles. A qweight row of a tile is BLOCK_N / 2 bytes: 64 columns make one 32-byte DRAM sector,
-# the least that is worth a read. The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32 before
-# its rounding), so BLOCK_K * BLOCK_N / (32 * num_warps) values per thread bound the tile sizes.
-# Decode (T <= DECODE_MAX_TOKENS, split_k.py's): one 16-row tile (tl.dot's minimum) holds every
-# token; the kernel streams K * N / 2 bytes of weights, over N / 64 programs (64 for N = 4096)
-# times the K splits split_k.py adds while that leaves SMs idle.
-# Prefill: 64 x 128 output tiles reuse each unpacked W tile over 64 tokens (unpacking costs ALU
-# work per weight, paid once per BLOCK_M tokens); 8 warps keep the W tile at 32 values per thread.
+# Tiles. A tile's qweight row is BLOCK_N / 2 bytes: 64 columns make one 32-byte DRAM sector, the least
+# worth a read. The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32), so BLOCK_K * BLOCK_N /
+# (32 * num_warps) values per thread bound the tiles. Decode: one 16-row tile holds every token, over
+# N / 64 programs times the K splits. Prefill: 64 x 128 output tiles reuse each unpacked W tile (ALU
+# work per weight) over 64 tokens; 8 warps keep it at 32 values per thread.
 DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 4
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 64, 8, 3
-# fp32 x (tests, not checkpoints: AWQ runs in fp16/bf16) keeps its W tile in fp32 and takes the exact
-# ("ieee") FMA path, no tensor cores: tiles of at most 64 columns and 32 K rows, else the sm_90
-# build spills registers (ptxas -v: 236 bytes at decode, 1.6 KB at prefill with the tiles above)
+# fp32 x (tests only: AWQ runs in fp16/bf16) takes the exact ("ieee") FMA path: at most 64 x 32 tiles,
+# else sm_90 spills registers (ptxas -v: 236 bytes at decode, 1.6 KB at prefill with the tiles above)
 FP32_MAX_BLOCK_N, FP32_BLOCK_K = 64, 32
 
 
-# ---------------------------------------------------------------------------------------------
-# kernel
-# ---------------------------------------------------------------------------------------------
+# ---- kernel ---------------------------------------------------------------------------------
 @triton.jit
 def _unpack_awq(words, offs_n):
     """words [..., C] int32 -> [..., 8 C] int32 values in 0..15, offs_n the columns they are for:
@@ -114,15 +102,9 @@ def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, T, N, K,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# host side
-# ---------------------------------------------------------------------------------------------
+# ---- host side ------------------------------------------------------------------------------
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETED = type(_awq_gemm_kernel).__name__ == "InterpretedFunction"
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    check_kernel_device(__name__, INTERPRETED, *tensors)
 
 
 def tiles_for(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
@@ -139,20 +121,16 @@ def tiles_for(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[int, int
 
 
 def gemm_split_k(num_tokens: int, n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The split count awq_gemm uses for these shapes on this device (split_k.split_k_for over its
-    tiles: > 1 only at decode, when the N tiles leave SMs idle)."""
+    """The split count awq_gemm uses for these shapes on this device (split_k_for over its tiles)."""
     block_m, block_n, block_k, _, _ = tiles_for(num_tokens, group, dtype)
     return split_k_for(num_tokens, n, k, block_m, block_n, block_k, num_sms(device))
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
              group: int = 128, split_k: int | None = None) -> torch.Tensor:
-    """x @ awq.dequantize(qweight, qzeros, scales, group), without the dequantized matrix.
-
-    x [T, K] bf16/fp16/fp32; qweight [K, N / 8] int32; qzeros [K / group, N / 8] int32;
-    scales [K / group, N] fp16 (any float dtype is read as given). Returns [T, N] in x.dtype.
-    split_k: None (the default) splits K as gemm_split_k chooses; an int in 1..K / BLOCK_K forces
-    that many splits (tests and benchmarks: the result is the same sum in another order)."""
+    """x @ awq.dequantize(qweight, qzeros, scales, group), without the dequantized matrix: [T, N] in
+    x.dtype (shapes as above; scales in any float dtype). split_k: None splits K as gemm_split_k
+    chooses; an int in 1..K / BLOCK_K forces that many (tests, benchmarks: the same sum reordered)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
     if x.dtype not in ACTIVATION_DTYPES:
@@ -174,7 +152,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     if tuple(scales.shape) != (k // group, n) or not scales.dtype.is_floating_point:
         raise ValueError(f"scales must be float [K / group, N] = [{k // group}, {n}] (fp16 in AWQ checkpoints), "
                          f"got {scales.dtype} {tuple(scales.shape)}")
-    _check_device(x, qweight, qzeros, scales)
+    check_kernel_device(__name__, INTERPRETED, x, qweight, qzeros, scales)
 
     out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or n == 0:

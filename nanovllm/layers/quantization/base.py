@@ -2,8 +2,7 @@
 layers/linear.py's Axes, map it to the layer's features for the sharded loaders).
 
 A method (one per scheme) is an object with
-  create_weights(layer, input_size, output_size)  register the layer's parameters, for this rank's
-                                                  input_size x output_size features
+  create_weights(layer, input_size, output_size)  register the parameters of this rank's features
   process_weights_after_loading(layer)            (optional) once every tensor is in: repack
   apply(layer, x, bias) -> y                      y = x W^T + bias, x [T, input_size]
 The unquantized layer has none: it keeps today's `weight` [out, in] and F.linear.
@@ -17,8 +16,7 @@ from nanovllm.layers.linear import Axes
 # fp8.py and awq.py load their kernels by name, and a kernel importing its scheme back is a cycle).
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max          # 448: the largest finite e4m3 value
-# A scale's floor: an all-zero row or group would otherwise get scale 0 and 0 / 0 = NaN.
-MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12                       # a scale's floor: an all-zero row or group would give 0 / 0 = NaN
 PACK = 8                                # AWQ's 4-bit values per int32
 
 

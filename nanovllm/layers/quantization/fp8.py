@@ -1,8 +1,6 @@
 """FP8 (e4m3) weights: per-output-channel scales quantized at load, or 128 x 128 block scales read
-from a checkpoint.
-
-The arithmetic of each scheme, in plain PyTorch, is here; it is what the CPU runs and the
-reference every kernel is tested against.
+from a checkpoint. Each scheme's arithmetic in plain PyTorch: what the CPU runs, and the reference
+the kernels are tested against.
 
   per channel   w[o, i] ~= q[o, i] * scale[o]                      scale: [out] float32
   block         w[o, i] ~= q[o, i] * scale_inv[o // bn, i // bk]    scale_inv: [ceil(out/bn), ceil(in/bk)]
@@ -34,9 +32,8 @@ def expand_block_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: 
 
 
 def quantize_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (q fp8 [out, in], scale_inv float32 [ceil(out/bn), ceil(in/bk)]), the format of
-    the published FP8 checkpoints (each block's largest |w| maps to 448). Tests build checkpoints
-    with it."""
+    """w [out, in] -> (q fp8 [out, in], scale_inv float32 [ceil(out/bn), ceil(in/bk)]), the published
+    FP8 checkpoints' format (each block's largest |w| maps to 448); tests build checkpoints with it."""
     bn, bk = block
     out, inp = w.shape
     padded = torch.zeros(-(-out // bn) * bn, -(-inp // bk) * bk, dtype=torch.float32, device=w.device)
@@ -65,10 +62,9 @@ def quantize_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.T
 
 def block_fp8_matmul_reference(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
                                block: tuple[int, int]) -> torch.Tensor:
-    """What the block-scaled FP8 GEMM computes, in float32: x quantized per token in groups of
-    block[1] (block[1] == the weight's input block, so each product term has one activation scale
-    and one weight scale), times the fp8 weight, each term scaled back. x [T, K], q [N, K] -> [T, N]
-    in x.dtype."""
+    """What the block-scaled FP8 GEMM computes, in float32: x quantized per token in groups of block[1]
+    (the weight's input block, so each product has one activation and one weight scale), times the
+    fp8 weight, each term scaled back. x [T, K], q [N, K] -> [T, N] in x.dtype."""
     xq, x_scales = quantize_per_token_group(x, block[1])
     x_deq = xq.float() * x_scales.repeat_interleave(block[1], 1)[:, :x.shape[1]]
     return (x_deq @ dequantize_block(q, scale_inv, block, torch.float32).T).to(x.dtype)
@@ -87,10 +83,9 @@ def has_fp8_tensor_cores(x: torch.Tensor) -> bool:
 
 # ---- the linear methods ---------------------------------------------------------------------------
 class Fp8LinearMethod:
-    """quantization="fp8" on an unquantized checkpoint: the weight loads as it is, then each output
-    row is quantized with its own scale. The GEMM: torch._scaled_mm with the activations quantized
-    per token where FP8 tensor cores exist, else the weight dequantized and F.linear. While the
-    checkpoint loads the weights are full precision: the peak is the unquantized model's."""
+    """quantization="fp8" on an unquantized checkpoint: the weight loads as it is (peak memory: the
+    unquantized model's), then each row is quantized with its own scale. The GEMM: torch._scaled_mm
+    (activations per token) where FP8 tensor cores exist, else the weight dequantized and F.linear."""
 
     scaled_mm = False  # whether apply() takes torch._scaled_mm (known once the weights are on their device)
 
@@ -114,10 +109,9 @@ class Fp8LinearMethod:
 
 
 class Fp8BlockLinearMethod:
-    """A block-quantized FP8 checkpoint (Qwen3-*-FP8): `weight` fp8 [out, in] and its
-    `weight_scale_inv` [ceil(out/bn), ceil(in/bk)] load as they are. The GEMM on CUDA: our Triton
-    block-scaled kernel (activations quantized per token in groups of bk); elsewhere the weight
-    dequantized and F.linear (and on GPUs without FP8 tensor cores, before compute capability 8.9)."""
+    """A block-quantized FP8 checkpoint (Qwen3-*-FP8): `weight` fp8 [out, in] and `weight_scale_inv`
+    load as they are. The GEMM on CUDA with FP8 tensor cores (8.9+): our Triton kernel; elsewhere the
+    weight dequantized and F.linear."""
     use_kernel = False
 
     def __init__(self, block: tuple[int, int]):

@@ -1,41 +1,29 @@
 """The block-scaled FP8 GEMM (W8A8: 128 x 128 weight blocks, activations quantized per token per
-group of 128 at run time) in two Triton launches (three with split-K). fp8.py holds the arithmetic in plain PyTorch;
-this module computes the same thing on the device.
+group of 128 at run time) in two Triton launches (three with split-K); fp8.py holds the arithmetic in
+plain PyTorch.
 
   x [T, K] (bf16/fp16/fp32)   q [N, K] fp8 e4m3   scale_inv [ceil(N / bn), ceil(K / bk)] fp32
   w[n, k] ~= q[n, k] * scale_inv[n // bn, k // bk]          (block = (bn, bk), (128, 128) in practice)
 
-  _per_token_group_quant_kernel   grid (ceil(T / QUANT_BLOCK_T), ceil(K / bk)): each program takes
-                     one group of bk features of QUANT_BLOCK_T tokens; in each token's group the
-                     largest |x| maps to 448: scale = max(amax / 448, MIN_SCALE),
-                     xq = fp8(clamp(x / scale, -448, 448)); the formula of
-                     fp8.quantize_per_token_group, bit for bit (both divisions correctly rounded).
-  _block_fp8_matmul_kernel        grid (ceil(T / BLOCK_M), ceil(N / BLOCK_N), S): each program owns a
-                     [BLOCK_M, BLOCK_N] output tile and walks its split's share of K (all of it
-                     when S = 1) in steps of BLOCK_K:
-                       acc += dot(xq[m, k-tile], q[n, k-tile]^T) * x_scale[m, kb] * w_scale[n // bn, kb]
-                     with kb = k0 // bk. BLOCK_K divides bk, so a K tile lies inside one scale block
-                     and each of its rows (columns) has one activation (weight) scale; the fp8 x fp8
-                     products of a tile are summed by tl.dot, then scaled and added to the fp32
-                     accumulator (what DeepSeek-V3 calls promoting every 128 products: Hopper's fp8
-                     MMA keeps only ~14 bits while it accumulates, so a K tile must not be longer).
-                     The columns' weight scales are looked up per column (offs_n // bn), so BLOCK_N
-                     need not divide bn. Ragged T, N and K are masked (masked loads give 0: padding
-                     adds nothing).
-  split-K (split_k.py) at decode, when ceil(N / BLOCK_N) programs would leave SMs idle: S > 1
-                     splits of whole K tiles (so still one scale per row and column of a tile),
-                     fp32 partials into a workspace [S, T, N], summed in a fixed order by
-                     split_k._sum_splits_kernel and rounded once to the output dtype. S = 1 writes
-                     the output directly.
+  _per_token_group_quant_kernel   each token's group of bk features scales its largest |x| to 448:
+                     scale = max(amax / 448, MIN_SCALE), xq = fp8(clamp(x / scale, -448, 448)), bit
+                     for bit fp8.quantize_per_token_group (both divisions correctly rounded).
+  _block_fp8_matmul_kernel        [BLOCK_M, BLOCK_N] output tiles over K tiles of BLOCK_K, which
+                     divides bk: a K tile lies inside one scale block, so each of its rows (columns)
+                     has one activation (weight) scale. tl.dot sums a tile's fp8 x fp8 products, then
+                     they are scaled and added to the fp32 accumulator (DeepSeek-V3's promotion every
+                     128 products: Hopper's fp8 MMA keeps only ~14 bits while it accumulates, so a K
+                     tile must not be longer). Weight scales are looked up per column (offs_n // bn),
+                     so BLOCK_N need not divide bn. Ragged T, N and K are masked (loads give 0).
+  split-K (split_k.py) at decode, when the N tiles leave SMs idle: S > 1 splits of whole K tiles,
+                     their fp32 partials summed in a fixed order; S = 1 writes the output directly.
 
-Under TRITON_INTERPRET=1 (read by @triton.jit when this module is imported) the kernels run on CPU
-tensors through Triton's interpreter, which is how tests/test_quant_kernels.py checks them. The
-interpreter's fp32 -> fp8 cast does not round correctly (triton 3.9: it rounds half up and lets a
-carry out of the mantissa corrupt the exponent), so on CPU the quantization kernel first rounds to
-the nearest e4m3 value in fp32 arithmetic (_round_to_e4m3, ROUND_IN_FP32) and the cast after it is
-exact; on the GPU the hardware cast (round to nearest even) does it. Its tl.dot on fp8 operands is
-exact (it widens them to fp16 and accumulates in fp32), so the GEMM needs no interpreter variant.
-(Its fp32 -> bf16 cast of the output truncates instead of rounding; the tests allow a bf16 ulp.)
+Under TRITON_INTERPRET=1 (read at import) the kernels run on CPU tensors in Triton's interpreter, as
+tests/test_quant_kernels.py checks them. Its fp32 -> fp8 cast rounds wrongly (triton 3.9: half up, and a
+carry out of the mantissa corrupts the exponent), so there the quantization kernel first rounds to the
+nearest e4m3 value in fp32 (_round_to_e4m3, ROUND_IN_FP32) and the cast is exact; the GPU's cast rounds
+to nearest even itself. Its tl.dot on fp8 is exact (fp16 operands, fp32 sums): no interpreter variant
+of the GEMM. (Its fp32 -> bf16 output cast truncates; the tests allow a bf16 ulp.)
 """
 import math
 
@@ -48,28 +36,23 @@ from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split
                                                   workspace)
 from nanovllm.utils.triton_mode import check_kernel_device
 
-# Tiles. The GEMM is a stream over the weight (N * K bytes) with T rows riding along.
-# Decode (T <= DECODE_MAX_TOKENS, split_k.py's): one 16-row tile (tl.dot's minimum) holds every
-# token, and narrow N tiles give N / 32 programs (128 for N = 4096, about one per SM of an H200's
-# 132), times the K splits split_k.py adds while that leaves SMs idle, so the weight stream is
-# spread over the whole chip; 4 stages keep that many K tiles of loads in flight.
-# Prefill: 64 x 128 output tiles reuse each weight tile over 64 tokens (the compute-bound regime);
-# 3 stages of (64 + 128) x 128 fp8 bytes = 72 KB of shared memory.
+# Tiles. The GEMM streams the weight (N * K bytes) with T rows riding along. Decode (T <=
+# DECODE_MAX_TOKENS): one 16-row tile holds every token, and narrow N tiles give N / 32 programs (128
+# for N = 4096, about one per SM of an H200), times split_k.py's K splits, so the weight stream
+# spreads over the chip; 4 stages keep that many K tiles of loads in flight. Prefill: 64 x 128 output
+# tiles reuse each weight tile over 64 tokens; 3 stages of (64 + 128) x 128 fp8 bytes = 72 KB shared.
 DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_STAGES = 16, 32, 4
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES = 64, 128, 3
 MAX_BLOCK_K = 128              # a K tile of 128: the checkpoints' bk, and DeepSeek-V3's promotion interval
 MIN_BLOCK_K = 32               # fp8 MMA instructions take K in multiples of 32
 NUM_WARPS = 4
-# The quantization kernel: QUANT_BLOCK_T tokens' groups per program ([8, 128] values, 8 per thread
-# of 4 warps), not one group per program, so that a prefill of T tokens is T / 8 * K / 128
-# programs (the interpreter pays milliseconds per program; a GPU, a little per launch of a warp).
+# The quantization kernel: QUANT_BLOCK_T tokens' groups per program ([8, 128] values, 8 per thread of
+# 4 warps), so a prefill is T / 8 * K / 128 programs (the interpreter pays milliseconds per program).
 QUANT_BLOCK_T = 8
 QUANT_NUM_WARPS = 4
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels
-# ---------------------------------------------------------------------------------------------
+# ---- kernels --------------------------------------------------------------------------------
 @triton.jit
 def _round_to_e4m3(y):
     """y fp32 in [-448, 448] -> the nearest e4m3 value (ties to even), still in fp32.
@@ -150,15 +133,9 @@ def _block_fp8_matmul_kernel(xq_ptr, xs_ptr, q_ptr, ws_ptr, out_ptr, T, N, K,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-# ---------------------------------------------------------------------------------------------
-# host side
-# ---------------------------------------------------------------------------------------------
+# ---- host side ------------------------------------------------------------------------------
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETED = type(_block_fp8_matmul_kernel).__name__ == "InterpretedFunction"
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    check_kernel_device(__name__, INTERPRETED, *tensors)
 
 
 def _check_activations(x: torch.Tensor) -> None:
@@ -174,7 +151,7 @@ def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
     _check_activations(x)
     if not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
-    _check_device(x)
+    check_kernel_device(__name__, INTERPRETED, x)
     num_tokens, k = x.shape
     num_groups = triton.cdiv(k, group)
     xq = torch.empty((num_tokens, k), dtype=FP8, device=x.device)
@@ -206,8 +183,7 @@ def tiles_for(num_tokens: int) -> tuple[int, int, int]:
 
 
 def gemm_split_k(num_tokens: int, n: int, k: int, bk: int, device: torch.device) -> int:
-    """The split count block_fp8_matmul uses for these shapes on this device (split_k.split_k_for
-    over its tiles: > 1 only at decode, when the N tiles leave SMs idle)."""
+    """The split count block_fp8_matmul uses for these shapes on this device (split_k_for, its tiles)."""
     block_m, block_n, _ = tiles_for(num_tokens)
     return split_k_for(num_tokens, n, k, block_m, block_n, block_k_for(bk), num_sms(device))
 
@@ -215,13 +191,9 @@ def gemm_split_k(num_tokens: int, n: int, k: int, bk: int, device: torch.device)
 def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None,
                      split_k: int | None = None) -> torch.Tensor:
-    """x @ w.T with w the block-scaled fp8 weight (q, scale_inv): what fp8.block_fp8_matmul_reference
-    computes (x quantized per token per group of block[1], fp8 x fp8 products, fp32 accumulation).
-
-    x [T, K] bf16/fp16/fp32; q [N, K] float8_e4m3fn; scale_inv [ceil(N / bn), ceil(K / bk)] fp32,
-    block = (bn, bk). Returns [T, N] in out_dtype (default x.dtype). split_k: None (the default)
-    splits K as gemm_split_k chooses; an int in 1..ceil(K / BLOCK_K) forces that many splits (tests
-    and benchmarks: the result is the same sum in another order)."""
+    """x @ w.T with w the block-scaled fp8 weight (q, scale_inv): fp8.block_fp8_matmul_reference's
+    [T, N] (shapes as above) in out_dtype (default x.dtype). split_k: None splits K as gemm_split_k
+    chooses; an int in 1..ceil(K / BLOCK_K) forces that many (tests, benchmarks: the same sum reordered)."""
     _check_activations(x)
     if (not isinstance(block, (tuple, list)) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
@@ -243,7 +215,7 @@ def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"out_dtype must be one of {ACTIVATION_DTYPES}, got {out_dtype}")
-    _check_device(x, q, scale_inv)
+    check_kernel_device(__name__, INTERPRETED, x, q, scale_inv)
 
     out = torch.empty((num_tokens, n), dtype=out_dtype, device=x.device)
     if num_tokens == 0 or n == 0:
