@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 # kv_cache_dtype (vLLM's names) -> the paged cache's element type; "auto" (None): the model's dtype.
-# fp8 is e4m3 (3 mantissa bits, range +-448), as vLLM's "fp8": K/V need its precision more
-# than e5m2's wider range.
+# fp8 is e4m3 (3 mantissa bits, range +-448), as vLLM's: K/V need its precision more than e5m2's range.
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # flash-attn's paged kernels index the KV cache in pages of 256 tokens; other backends take any size,
 # and 16 keeps the last, partly filled block of each sequence small.
@@ -28,12 +27,10 @@ GENERATION_CONFIG = "generation_config.json"
 
 @dataclass
 class Config:
-    """Every engine option, validated once (LLM's keyword options, the `nanovllm` command's flags);
-    derived values are properties.
+    """Every engine option (LLM's keyword options, the CLI's flags), validated once; derived values are properties.
 
     model: a Hugging Face folder (config.json, *.safetensors, optional tokenizer files), or a Hub
-        repository id such as "Qwen/Qwen3-0.6B" (downloaded into the Hub cache, or read from it
-        offline).
+        repository id such as "Qwen/Qwen3-0.6B" (downloaded into the Hub cache, or read offline).
     device: "cuda" when available, else "cpu".  dtype: the config's dtype on CUDA (bf16 if it
         says float32), float32 on CPU; or "float32" / "bfloat16" / "float16" / a torch dtype.
     tensor_parallel_size: ranks to shard the model over.  enforce_eager: no CUDA graphs.
@@ -48,28 +45,26 @@ class Config:
     attention_backend: "flash_attn", "triton", "torch" or None (the best available).
     load_format: "auto" (safetensors) or "dummy" (random weights, for benchmarks).
     kv_cache_dtype: "auto" (the model's dtype) or "fp8" (= "fp8_e4m3"): the paged KV cache holds
-        float8_e4m3fn, twice the tokens of bf16 in the same memory; each layer's K and V are
-        divided by its k_scale / v_scale on store (1.0, or the checkpoint's
-        model.layers.N.self_attn.k_scale / .v_scale) and dequantized inside the attention
-        kernels. Backends "triton" and "torch" (not "flash_attn").
+        float8_e4m3fn, twice the tokens of bf16; each layer's K and V are divided by its k_scale /
+        v_scale on store (1.0, or the checkpoint's model.layers.N.self_attn.k_scale / .v_scale)
+        and dequantized inside the attention kernels. Backends "triton" and "torch" only.
     speculative_config: speculative decoding, with vLLM's names: {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt
         lookup), or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}
         (a smaller model with the target's tokenizer; on rank 0 only), None: off. Each decoding
-        sequence proposes up to k draft tokens, and one forward of the target checks them all
-        (features/speculative/rejection_sampler.py): greedy output is unchanged, sampled output keeps the
-        target's distribution. Speculative steps run synchronously.
+        sequence proposes up to k drafts, one forward of the target checks them all
+        (features/speculative/rejection_sampler.py): greedy output is unchanged, sampled output
+        keeps the target's distribution. Speculative steps run synchronously.
     quantization: "fp8" quantizes the linear layers' weights at load (per output channel; a
         bf16/fp32 checkpoint); None reads the checkpoint's config.json (block-quantized FP8 and
         AWQ int4 checkpoints load as they are; "fp8" or "awq" may then name the same method).
         Embeddings, norms, MoE routers and the LM head stay unquantized (layers/quantization).
     kv_offloading_size: GiB of host memory for a second tier of the prefix cache (vLLM's name),
-        over all tensor-parallel ranks together (each holds size / tensor_parallel_size: its shard
-        of the same blocks); cached blocks evicted from the device are kept there and reloaded on
-        a later prefix hit. 0: off. Not with a draft model (speculative_config "draft_model").
+        over all tensor-parallel ranks together (each holds its shard of the same blocks); cached
+        blocks evicted from the device are kept there and reloaded on a later prefix hit. 0: off.
+        Not with a draft model (speculative_config "draft_model").
     preemption_mode: "recompute" (a preempted sequence's blocks are freed and its tokens computed
-        again) or "swap" (they are kept in the host tier: needs kv_offloading_size > 0 and
-        enable_prefix_caching).
+        again) or "swap" (kept in the host tier: needs kv_offloading_size > 0, enable_prefix_caching).
     """
     model: str
     device: str | None = None
@@ -164,8 +159,7 @@ class Config:
             raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     def _read_model_config(self):
-        """hf_config, and what follows from it: max_model_len within its positions, the EOS ids,
-        an architecture the engine runs, the quantization, a draft model's config."""
+        """hf_config, and what follows: max_model_len, the EOS ids, the architecture, quantization, a draft's config."""
         try:
             self.hf_config = AutoConfig.from_pretrained(self.model)
         except Exception as e:  # an unknown model_type, a broken config.json, ...
@@ -173,10 +167,9 @@ class Config:
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
         if max_positions is not None:
             self.max_model_len = min(self.max_model_len, max_positions)
-        # EOS ids of config.json and generation_config.json together: instruct checkpoints (Qwen2.5,
-        # Qwen3) list their chat turn's end there besides <|endoftext|>, and HF and vLLM stop at
-        # either. Empty when neither names one (the engine then falls back to the tokenizer's).
-        # Read once, here, so a broken generation_config.json is a ValueError at start-up.
+        # EOS ids of config.json and generation_config.json together (instruct checkpoints, Qwen2.5/3,
+        # list their chat turn's end besides <|endoftext|>; HF and vLLM stop at either; empty: the
+        # tokenizer's), read here so that a broken generation_config.json is a ValueError at start-up.
         self.eos_token_ids = token_id_set(getattr(self.hf_config, "eos_token_id", None), "config.json") | token_id_set(
             read_generation_config(self.model).get("eos_token_id"), GENERATION_CONFIG)
         # ValueError for an unsupported architecture or option (a sliding window < max_model_len)

@@ -8,18 +8,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request's completion, as in vLLM; validated once, at construction, and
-    immutable afterwards (frozen: a field changed after validation would skip the checks; use
-    `dataclasses.replace(params, field=value)` for a validated copy).
+    """How to sample one request's completion, as in vLLM; validated at construction, then frozen
+    (a field changed later would skip the checks: `dataclasses.replace` makes a validated copy).
 
     temperature: 0 is greedy (argmax); otherwise logits are divided by it before softmax.
     top_k: keep the k most likely tokens (-1: all).  top_p: keep the smallest set of tokens whose
         probability reaches p (1.0: all).  min_p: drop tokens less likely than min_p times the
         most likely one (0: off).
     presence_penalty, frequency_penalty: subtracted from a token's logit once if it occurs in the
-        completion, and once per occurrence ([-2, 2]; 0: off).  repetition_penalty: logits of
-        tokens seen in the prompt or completion are divided by it when positive, multiplied when
-        negative (> 0; 1: off).
+        completion, and once per occurrence ([-2, 2]; 0: off).  repetition_penalty: logits of tokens
+        seen in the prompt or completion are divided by it when positive, multiplied when negative (> 0; 1: off).
     max_tokens: completion length cap (>= 1).  min_tokens: EOS, stop tokens and stop strings are
         ignored before this many tokens.  ignore_eos: generate past EOS (benchmarks).
     stop: strings that end the completion (stored as a tuple); the text ends before the stop
@@ -27,8 +25,8 @@ class SamplingParams:
     n: number of completions of the prompt (they share the prompt's KV blocks).
     logprobs: also return, per generated token, the log-probabilities of the chosen token and of
         the `logprobs` most likely ones, from the model's raw distribution (None: off).
-    logit_bias: {token id: bias}, added to those tokens' logits before sampling (bias in [-100, 100]:
-        -100 in effect bans a token, +100 all but forces it), as OpenAI's.
+    logit_bias: {token id: bias in [-100, 100]}, added to those logits before sampling, as OpenAI's
+        (-100 in effect bans a token, +100 all but forces it).
     allowed_token_ids: only these tokens may be sampled (None: all), as vLLM's.
     structured_outputs: a StructuredOutputsParams the completion must satisfy (None: free text).
         Not with min_tokens (a finished grammar allows only EOS, which min_tokens forbids).
@@ -36,9 +34,8 @@ class SamplingParams:
         and the `prompt_logprobs` most likely ones (None for the first token; None: off). Such a
         request computes its whole prompt (no prefix-cache read).
     seed: makes this request's samples reproducible whatever else shares its batch (None: drawn
-        from the engine's RNG). On CPU in float32 that holds exactly; on a GPU the logits
-        themselves depend on the batch (cuBLAS picks its kernels by the number of rows, and CUDA
-        graphs pad the batch), so a token whose probability sits at a draw's boundary may differ.
+        from the engine's RNG). Exact on CPU in float32; on a GPU the logits depend on the batch
+        (cuBLAS picks kernels by row count; CUDA graphs pad it): a token at a draw's boundary may differ.
     """
     temperature: float = 1.0
     top_k: int = -1
@@ -110,8 +107,7 @@ class SamplingParams:
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
 
     def _check_stops(self):
-        """stop and stop_token_ids, kept as tuples (so that the caller's list changed later cannot
-        change a validated request)."""
+        """stop and stop_token_ids, kept as tuples (the caller's list changed later cannot change them)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -172,8 +168,7 @@ def is_token_id(value) -> bool:
 
 
 def __getattr__(name: str):
-    """StructuredOutputsParams, from structured outputs' layer, loaded at its first use (PEP 562;
-    `nanovllm` exports this function too)."""
+    """StructuredOutputsParams, from structured outputs' layer at first use (PEP 562; also nanovllm.__getattr__)."""
     if name == "StructuredOutputsParams":
         from nanovllm.features.structured_params import StructuredOutputsParams
         return StructuredOutputsParams

@@ -1,11 +1,10 @@
 """The rows of the running batch, and what must be read per row at every step in one vectorized go.
 
-A running sequence holds one row, from its admission until it finishes or is preempted. The row
-is the sequence's address on the device: the row of its tokens in the model runner's token table
-and of its block table (each rank keeps its own copy of both, written by the step messages).
-Here, on the host, a row holds the sampling parameters of the sequence that holds it, written once
-when it takes the row, so that a step's sampling inputs are one gather of its sampling rows rather
-than a Python loop over SamplingParams.
+A running sequence holds one row, from its admission until it finishes or is preempted: its
+address on the device, the row of its tokens in the model runner's token table and of its block
+table (each rank keeps its own copy of both, written by the step messages). On the host a row
+holds its sequence's sampling parameters, written once when it takes the row, so that a step's
+sampling inputs are one gather of its sampling rows rather than a Python loop over SamplingParams.
 """
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,8 +42,7 @@ def needs_of(params) -> int:
 
 @dataclass
 class SamplingInputs:
-    """A step's sampling parameters on the host, one entry per sampling row (in the step's order).
-    Parts no row needs are None."""
+    """A step's sampling parameters on the host, one entry per sampling row; parts no row needs are None."""
     needs: int                           # Need bits: what some row uses
     rows: np.ndarray                     # [S] int64 their rows (penalties read their tokens from the table)
     positions: np.ndarray                # [S] int64 position of the token each samples
@@ -67,8 +65,7 @@ class SamplingInputs:
 
 
 class BatchState:
-    """Row allocation, and the per-row sampling parameters of the running sequences: one numpy
-    array per parameter, [num_rows], written by take_row() alone."""
+    """Row allocation, and the rows' sampling parameters: a [num_rows] array each, written by take_row()."""
 
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
@@ -103,9 +100,8 @@ class BatchState:
         seq.row = row
 
     def free_row(self, seq: Sequence):
-        """seq leaves the running batch (finished or preempted): its row is free for the next one.
-        (A step still in flight may use the row on the device; the next holder's writes come after
-        it there, in stream order.)"""
+        """seq leaves the running batch (finished or preempted). A step in flight may still use the row
+        on the device; the next holder's writes come after it there, in stream order."""
         self.free_rows.append(seq.row)
         self.num_constrained -= seq.matcher is not None
         seq.row = -1

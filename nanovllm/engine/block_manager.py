@@ -12,12 +12,10 @@ if TYPE_CHECKING:
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
-    """Key of a full block: xxh64 of its token ids, seeded with the previous block's key (0 for the
-    first block).
+    """Key of a full block: xxh64 of its token ids, seeded with the previous block's key (0 for the first).
 
     Chaining makes a key stand for the whole prefix up to and including this block, so equal keys
-    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parents).
-    """
+    mean equal prefixes (up to hash collisions, which `BlockManager` rules out by checking tokens and parents)."""
     # (struct packs the ints as int64 bytes in about half the time that array("q", ...) takes)
     return xxhash.xxh64_intdigest(struct.pack(f"{len(token_ids)}q", *token_ids), prev_hash or 0)
 
@@ -31,11 +29,10 @@ def host_tier(num_slots: int):
 class Block:
     """One physical KV block. A full block records what its K/V were computed from: its own tokens
     and its parent's contents, by id. `uid` names one computation of a block's K/V: given when a
-    sequence fills the block, kept by a copy of it (a host slot, a block reloaded from there), and
-    dropped when the block is handed out for other tokens; `parent_uid` is the uid of the block
-    before it in its sequence (None for the first). A hit must have the tokens asked for and, as
-    parent, the contents the lookup matched before it: together they verify the whole prefix
-    exactly, on either tier, whatever the hash does."""
+    sequence fills the block, kept by its copies (a host slot, a block reloaded from there), dropped
+    when the block is handed out for other tokens; `parent_uid` is the previous block's (None for
+    the first). A hit must have the tokens asked for and, as parent, the contents the lookup
+    matched before it: together they verify the whole prefix exactly, whatever the hash does."""
     __slots__ = ("block_id", "ref_count", "hash", "token_ids", "uid", "parent_uid")
 
     def __init__(self, block_id: int):
@@ -57,12 +54,10 @@ class BlockManager:
     With a host tier (num_host_blocks > 0, features/host_tier.py) a cached block about to be handed
     out is first copied to the host (write-back on eviction), and a lookup that misses on the
     device continues there: a host hit is copied back into a freshly allocated device block before
-    the step runs. The copies a step needs are queued in `offloads` (device block -> host slot)
-    and `reloads` (host slot -> device block), in the order they must run (every offload first:
-    a block may be offloaded and then reloaded into in one step), and taken with take_copies().
-    A block's key is then on the device (hash_to_block), on the host (host.entries), or both;
-    in flight while its copy is queued.
-    """
+    the step runs. A step's copies are queued in `offloads` (device block -> host slot), then
+    `reloads` (host slot -> device block: a block may be offloaded and reloaded into in one step),
+    and taken with take_copies(). A block's key is then on the device (hash_to_block), on the host
+    (host.entries), or both; in flight while its copy is queued."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
         assert num_blocks > 0 and block_size > 0
@@ -110,8 +105,7 @@ class BlockManager:
             self.offloads.append((block.block_id, slot))
 
     def take_copies(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The copies the step being planned needs before its forward, [n, 2] int32 each (None:
-        none): offloads (device block, host slot), then reloads (host slot, device block)."""
+        """The planned step's offloads (device block, host slot) and reloads, [n, 2] int32 each (or None)."""
         offloads = np.array(self.offloads, dtype=np.int32) if self.offloads else None
         reloads = np.array(self.reloads, dtype=np.int32) if self.reloads else None
         self.offloads, self.reloads = [], []
@@ -121,12 +115,8 @@ class BlockManager:
 
     def _match_prefix(self, seq: Sequence) -> list[tuple[int, int | None, "HostEntry | None", list[int]]]:
         """The longest cached run of seq's full blocks, read-only: per block (key, device block id
-        or None, host entry or None, tokens), the device tried first. A hit must hold these tokens
-        after the contents the run matched before it (its parent_uid).
-
-        The last token is never served from the cache: the step must compute at least one token
-        to produce the logits the next token is sampled from.
-        """
+        or None, host entry or None, tokens), the device tried first. The last token is never
+        served from the cache: the step must compute one token for the logits to sample from."""
         hits = []
         if not self.enable_prefix_caching:
             return hits
@@ -148,10 +138,9 @@ class BlockManager:
         return hits
 
     def allocate(self, seq: Sequence, use_cache: bool = True) -> int | None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks (unless
-        not use_cache: it must compute every token), from either tier. Returns how many of its
-        tokens the cache serves (their K/V are computed already, or reloaded before the step
-        runs), or None, changing nothing, when too few blocks are free."""
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks from either
+        tier (unless not use_cache). Returns how many of its tokens the cache serves (computed, or
+        reloaded before the step runs), or None, changing nothing, when too few blocks are free."""
         assert not seq.block_table and seq.num_tokens == len(seq.token_ids)
         hits = self._match_prefix(seq) if use_cache else []
         num_revived = sum(b is not None and self.blocks[b].ref_count == 0 for _, b, _, _ in hits)
@@ -192,8 +181,7 @@ class BlockManager:
         self.hash_to_block[h] = block.block_id
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make seq's block table cover its first num_tokens tokens; False (changing nothing) if
-        too few blocks are free."""
+        """Make seq's block table cover num_tokens tokens; False (changing nothing) if too few are free."""
         count = self.blocks_needed(num_tokens) - len(seq.block_table)
         if count > len(self.free):
             return False
@@ -206,9 +194,8 @@ class BlockManager:
         self.peak_used_blocks = max(self.peak_used_blocks, len(self.blocks) - len(self.free))
 
     def cache_full_blocks(self, seq: Sequence, num_tokens: int):
-        """Publish the blocks that seq's first num_tokens tokens fill completely, under their
-        chained keys. The caller vouches that their K/V are computed, or being computed by a
-        launched step (whoever reads a block runs after it), and that the host knows their ids."""
+        """Publish the blocks seq's first num_tokens tokens fill, under their chained keys; the caller vouches
+        their K/V are computed (or are being, by a launched step that readers follow) and the host knows their ids."""
         if not self.enable_prefix_caching:
             return
         bs, hashes = self.block_size, seq.block_hashes
@@ -225,9 +212,8 @@ class BlockManager:
 
     def free_blocks(self, seq: Sequence, swap: bool = False):
         """Drop seq's references. Its tail is freed first, so it is also reused first and the more
-        widely shared prefix blocks stay cached longest. swap (a preemption with
-        preemption_mode="swap"): copy its cached blocks to the host tier now, not when they are
-        reused, so its prefix comes back from there if the device reuses them first."""
+        widely shared prefix blocks stay cached longest. swap (preemption_mode="swap"): copy its
+        cached blocks to the host tier now, so its prefix comes back from there if the device reuses them."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

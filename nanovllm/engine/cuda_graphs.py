@@ -12,15 +12,13 @@ MAX_GRAPH_BATCH = 512
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
-    """The ladder of captured decode batch sizes: 1, 2, 4, 8, then every 16, and max_batch itself,
-    so that any batch pads to a captured size at most 15 rows larger."""
+    """The captured decode batch sizes: 1, 2, 4, 8, every 16, max_batch (a batch pads at most 15 rows)."""
     return sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(16, max_batch, 16)) | {max_batch})
 
 
 def padded_batch_size(batch: int, sizes: list[int]) -> int:
     """The captured size a decode batch pads to; the batch itself above the ladder (it runs eagerly).
-    Eager decode steps record it too (Context.padded_batch): kernels that size their work from it
-    then do the same in an eager step as in its graph replay."""
+    Eager decode steps record it too (Context.padded_batch), so they split work as their replay would."""
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if i < len(sizes) else batch
 
@@ -45,22 +43,20 @@ class DecodeGraphs:
     its tokens and write K/V into the spare block, which nobody reads.
 
     query_len 1 + k: a speculative decode step, where each sequence computes its last token and
-    up to k drafts (num_new of them in all, given per row). Every sequence runs query_len query
-    tokens, padded at the front: its real ones are its last num_new, so with attention's causal
-    mask aligned to the bottom right (query j of n sees keys up to L - n + j, L = position + 1)
-    each real token sees exactly its own prefix. The padding tokens sit at earlier positions
-    (clamped at 0), write their K/V into the spare block and are never read: padding at the end
-    instead would put them past the sequence, beyond its blocks and max_model_len. Attention
-    runs the multi-query paged path (the prefill kernel over the cache); the step's hidden
-    states come back [size * query_len], row i * query_len + j for token j of sequence i.
+    up to k drafts (num_new in all, given per row). Every sequence runs query_len query tokens,
+    padded at the front: its real ones are its last num_new, so with attention's causal mask
+    aligned to the bottom right (query j of n sees keys up to L - n + j, L = position + 1) each
+    real token sees exactly its own prefix. The padding tokens sit at earlier positions (clamped
+    at 0) and write their K/V into the spare block, never read: padding at the end would put them
+    past the sequence, beyond its blocks and max_model_len. Attention runs the multi-query paged
+    path; hidden states come back [size * query_len], row i * query_len + j for token j of row i.
     """
 
     def __init__(self, model, token_table: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                  scratch_row: int, max_batch: int, max_model_len: int, hidden_size: int, dtype: torch.dtype,
                  sizes: list[int] | None = None, show_progress: bool = False, query_len: int = 1):
-        """sizes: the batch sizes to capture, graph_batch_sizes(max_batch) by default (a subset, e.g.
-        [max_batch] alone, to measure what capture costs). show_progress: a bar over the sizes when
-        capture takes more than a moment."""
+        """sizes: the batch sizes to capture (default graph_batch_sizes(max_batch); [max_batch] alone
+        measures what capture costs). show_progress: a bar over the sizes when capture takes a while."""
         start = perf_counter()
         device = token_table.device
         self.model, self.token_table, self.block_tables = model, token_table, block_tables
@@ -77,8 +73,7 @@ class DecodeGraphs:
         pool = None
         # Under inference mode, as every step runs (ModelRunner.launch): otherwise autograd would
         # record the captured forward and keep its activations alive in the graphs' pool.
-        with torch.inference_mode():
-            # largest first: smaller graphs reuse its pool
+        with torch.inference_mode():  # (largest first: smaller graphs reuse its pool)
             for size in progress(reversed(self.sizes), "Capturing CUDA graphs", enabled=show_progress,
                                  total=len(self.sizes), unit="graph"):
                 graph = torch.cuda.CUDAGraph()

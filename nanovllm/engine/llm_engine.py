@@ -93,10 +93,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
-        # Speculative steps do not overlap: the next step's layout (each sequence's positions, its
-        # slots, the blocks it grows into, how many drafts it verifies) depends on how many drafts
-        # this step accepts, and n-gram drafts on their ids too, so it cannot be planned before they
-        # are in. (A draft model's drafts are drawn on the device, but their positions are not.)
+        # Speculative steps do not overlap: the next step's layout (positions, slots, blocks, drafts
+        # verified) depends on how many drafts this one accepts (n-gram drafts on their ids too), so
+        # it cannot be planned before they are in; a draft model's positions are not on the device.
         self.overlap = config.async_scheduling and config.speculative is None
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
         self.grammars = None  # structured outputs' compiler (structured_outputs.Grammars), made at the first constraint
@@ -104,8 +103,7 @@ class LLMEngine:
         self._log_summary()
 
     def _log_summary(self):
-        """The start-up summary, what a deployment is sized by, read from what the engine runs with.
-        (The engine lives on rank 0, ranks above 0 are workers: it is logged once.)"""
+        """The start-up summary, what a deployment is sized by (logged once: the engine is rank 0's)."""
         c, runner, num_blocks = self.config, self.model_runner, self.block_manager.num_blocks
         per_rank = " per rank" if c.tensor_parallel_size > 1 else ""
         num_tokens = num_blocks * c.block_size
@@ -127,8 +125,7 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
-        """A prompt (a string, or a list of token ids) as validated token ids: a TypeError or
-        ValueError names what is wrong."""
+        """A prompt (a string, or a list of token ids) as validated token ids, else a TypeError or ValueError."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as lists of token ids")
@@ -164,9 +161,9 @@ class LLMEngine:
 
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
         """text's token ids. A text far longer than max_model_len is first counted by the fast
-        tokenizer's own backend, and refused without its ids ever becoming Python ints: the
-        backend works without the GIL, but a list of 8 million ints is built holding it, for a
-        quarter of a second that every other thread (the server's event loop) waits out."""
+        tokenizer's backend, and refused before its ids become Python ints: the backend works
+        without the GIL, but a list of 8 million ints holds it for a quarter of a second that every
+        other thread (the server's event loop) waits out."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         max_model_len = self.config.max_model_len
         if backend is not None and len(text) > 4 * max_model_len:  # (real tokens hold ~4 characters)
@@ -176,9 +173,8 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_request(self, num_prompt_tokens: int, sampling_params: SamplingParams):
-        """Whether a prompt of this many (valid) tokens can run with these parameters on this
-        model: a TypeError or ValueError names what is wrong. Reads only the configuration, so any
-        thread may call it (the server checks requests before they reach the engine thread)."""
+        """Whether a prompt of this many (valid) tokens can run with these parameters (a TypeError
+        or ValueError names what is wrong). Reads only the configuration: any thread (the server's) may call it."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if num_prompt_tokens + sampling_params.max_tokens > self.config.max_model_len:
@@ -203,8 +199,7 @@ class LLMEngine:
                              "use stop_token_ids")
 
     def _make_request(self, prompt, sampling_params: SamplingParams, index: int, stream: bool) -> list[Sequence]:
-        """Validate one request and build its n sample Sequences (samples 2..n ride on the first
-        as forks until its prompt is computed); nothing is queued here."""
+        """Validate one request and build its n samples (2..n ride on the first as forks); none queued."""
         ids = self.encode_prompt(prompt)
         self.check_request(len(ids), sampling_params)
         grammar = (self.grammar_compiler().compile_request(sampling_params)
@@ -221,8 +216,7 @@ class LLMEngine:
         return samples
 
     def grammar_compiler(self):
-        """The engine's grammar compiler (structured_outputs.Grammars), made at the first constraint
-        (any thread)."""
+        """The engine's grammar compiler (structured_outputs.Grammars), made at the first constraint."""
         if self.tokenizer is None:
             raise ValueError(f"structured_outputs need a tokenizer, and {self.config.model!r} has none")
         from nanovllm.features.structured_outputs import Grammars  # (structured outputs' layer: loaded when used)
@@ -246,7 +240,7 @@ class LLMEngine:
         return [self._make_request(p, sp, i, stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
 
     def _add_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
-        """Validate every request, then queue them all (so a bad one leaves the engine untouched)."""
+        """Validate every request, then queue them all (a bad one leaves the engine untouched)."""
         requests = self._make_requests(prompts, sampling_params, stream)
         for samples in requests:
             self.scheduler.add(samples[0])
@@ -254,7 +248,7 @@ class LLMEngine:
 
     def add_request(self, prompt, sampling_params: SamplingParams, stream: bool = False) -> list[Sequence]:
         """Queue one request; returns its n sample Sequences (drive them with step(), read their
-        news with stream_update(); stream: detokenize as tokens come, for text in every update)."""
+        news with stream_update(); stream: text in every update)."""
         return self._add_requests([prompt], sampling_params, stream=stream)[0]
 
     def abort(self, seq: Sequence):
@@ -271,9 +265,8 @@ class LLMEngine:
         Synchronous (async_scheduling=False): schedule a step, run it, wait for its tokens, account
         for them. Overlapped (the default): schedule and launch step N+1, then account for step N
         while N+1 runs, so the device never waits for the host's bookkeeping. N+1 takes N's tokens
-        from the device's token table, and so it may run a sequence that N turns out to have
-        finished: complete() drops that token. A step whose grammar masks need N's tokens
-        (structured outputs) has its sampling queued once N is accounted for.
+        from the device's token table, so it may run a sequence that N finished: complete() drops
+        that token. A step whose grammar masks need N's tokens has its sampling queued once N is accounted for.
         """
         launched = done = self._launch()
         if self.overlap:  # the one difference between the two loops
@@ -310,8 +303,7 @@ class LLMEngine:
         return InFlightStep(step, self.model_runner.launch(batch, sampling))
 
     def _deliver(self, updated: list[Sequence]):
-        """The text of each sequence that got a token (where text is wanted: it may end at a stop
-        string), then the news to its caller's inbox (see _run)."""
+        """The text of each updated sequence (where wanted: it may end at a stop string), then to its caller's inbox."""
         for seq in updated:
             if seq.detokenizer is not None:
                 self.outputs.update_text(seq)
@@ -329,15 +321,13 @@ class LLMEngine:
         return self.scheduler.is_finished() and self.in_flight is None
 
     def _run(self, seqs: list[Sequence]):
-        """Step until every sequence in seqs has finished, yielding after each step those of them
-        that have news (new tokens, or their end).
+        """Step until every sequence in seqs has finished, yielding after each step those with news.
 
         The engine is shared: generate() and stream() calls may interleave, and any caller's step
         advances every queued request. So each caller gives its sequences an inbox, where the
         engine puts each one it updates or ends, whoever stepped: each call sees all the news of
         its own sequences exactly once, and steps only while its inbox is empty. On any exception
-        (or the caller closing the generator) they are aborted, so no half-finished request keeps
-        holding blocks.
+        (or the generator closed) they are aborted, so no half-finished request keeps its blocks.
         """
         inbox: list[Sequence] = []
         for seq in seqs:
@@ -363,9 +353,8 @@ class LLMEngine:
     def generate(self, prompts, sampling_params, use_tqdm: bool = True) -> list[dict]:
         """Complete every prompt; outputs come back in input order.
 
-        prompts: a str, a list of token ids, or a list of either. sampling_params: one
-        SamplingParams for all, or a list with one per prompt. Every request is validated before
-        any is queued, so a bad one leaves the engine untouched.
+        prompts: a str, a list of token ids, or a list of either. sampling_params: one SamplingParams
+        for all, or one per prompt. All are validated before any is queued.
         """
         requests = self._add_requests(prompts, sampling_params, stream=False)
         seqs = [seq for samples in requests for seq in samples]
@@ -381,16 +370,14 @@ class LLMEngine:
         return [self.outputs.output(samples) for samples in requests]
 
     def stream(self, prompts, sampling_params):
-        """Like generate(), but yields updates as tokens are produced, while continuous batching
-        runs across all requests: dicts with `index` (the prompt's position), `sample` (which of
-        its n samples), `text` and `token_ids` (what is new since that sample's last update) and
-        `finished`, with `logprobs` (the new tokens' dicts) when asked for; a sample's last update
-        also has `finish_reason`, `stop_reason`, `num_cached_tokens` and `metrics`. The `text`
-        pieces of a sample concatenate to generate()'s text.
+        """Like generate(), but yields updates as tokens are produced, continuous batching running
+        across all requests: dicts with `index` (the prompt's position), `sample` (which of its n),
+        `text` and `token_ids` (new since that sample's last update; the `text` pieces concatenate
+        to generate()'s) and `finished`, with `logprobs` (the new tokens' dicts) when asked for; a
+        sample's last update also has `finish_reason`, `stop_reason`, `num_cached_tokens`, `metrics`.
 
-        Every request is validated here, so a bad one raises at the call, not at the first next();
-        they are queued at the first next(). Closing the returned generator, or dropping it,
-        aborts its unfinished requests.
+        Requests are validated at the call and queued at the first next(). Closing the returned
+        generator, or dropping it, aborts its unfinished requests.
         """
         requests = self._make_requests(prompts, sampling_params, stream=True)
         return self._stream(requests)

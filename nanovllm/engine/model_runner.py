@@ -200,8 +200,7 @@ class ModelRunner:
         self.arange = np.arange(config.max_num_seqs + 1)  # (read-only: prepare() slices it)
         # The torch backend loops over sequences on the host: it cannot be captured.
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch"
-        # The CUDA-graph ladder, eager steps included: a decode step records the size it pads to
-        # (Context.padded_batch), from which attention sizes its split-KV the same in both paths.
+        # The CUDA-graph ladder, eager steps included: they record the size they pad to (Context.padded_batch).
         self.graph_sizes = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
 
     def _capture(self, config: Config):
@@ -241,11 +240,9 @@ class ModelRunner:
 
     def _graph_memory(self) -> int:
         """Device memory the decode CUDA graphs will hold, measured before the KV cache takes the
-        rest: the largest batch of the ladder is captured once (and of the speculative decode
-        graphs and the draft model's) over a throwaway cache of one sequence's blocks, and the drop
-        in free memory (pools, static buffers and the graphs themselves) is what capture takes.
-        The ladder's smaller graphs share those pools; their own executables are what
-        GRAPH_MEMORY_MARGIN allows for."""
+        rest: the largest batch of each ladder (_probe_graphs) is captured once over a throwaway
+        cache of one sequence's blocks, and the drop in free memory (pools, static buffers, the
+        graphs) is what capture takes; GRAPH_MEMORY_MARGIN covers the smaller graphs."""
         torch.cuda.empty_cache()
         self._bind_kv_cache(self.config.max_blocks_per_seq)
         free_before = torch.cuda.mem_get_info(self.device)[0]
@@ -278,8 +275,7 @@ class ModelRunner:
         return int(self.group.all_reduce(torch.tensor([count], device=self.device), dist.ReduceOp.MIN).item())
 
     def _bind_kv_cache(self, num_blocks: int | None):
-        """Allocate a KV cache of num_blocks usable blocks and hand each attention layer its slices
-        (None: unbind and free it)."""
+        """Allocate a KV cache of num_blocks usable blocks, bound to the layers (None: unbind, free it)."""
         self.kv_cache = None  # (the old one is freed before the new one is allocated)
         self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.config.kv_dtype,
                                       self.device)
@@ -323,8 +319,7 @@ class ModelRunner:
                ) -> "SampledTokens | DeferredSampling":
         """Start one step (rank 0) and return without waiting for the device: the sampled tokens
         come back through the returned handle (and are in the token table for the next step).
-        defer_sampling: only the forward now; sample() queues the sampling later (structured
-        outputs: a mask that needs the tokens of the step before)."""
+        defer_sampling: only the forward now, sample() later (a grammar mask needs the step before's)."""
         if self.group is not None and self.workers is None:
             raise RuntimeError("this LLM has been shut down (its tensor-parallel workers are gone)")
         if self.workers is not None:
@@ -340,8 +335,7 @@ class ModelRunner:
         return forward if defer_sampling else self.sample(forward, sampling)
 
     def _copy_host_blocks(self, batch: StepBatch):
-        """The host tier's copies of the step (features/host_tier.py), on every rank before its
-        forward: the forward may read what they bring."""
+        """The host tier's copies of the step (features/host_tier.py), on every rank before its forward."""
         if self.host_copies is not None:
             self.host_copies.copy(batch.offloads, batch.reloads)
 
@@ -351,9 +345,8 @@ class ModelRunner:
         return DeferredSampling(batch, logits, inputs)
 
     def sample(self, step: "DeferredSampling", sampling: SamplingInputs) -> SampledTokens:
-        """Queue a launched step's sampling (rank 0), after its forward; the step's prompt
-        logprobs (prompt_logprobs.py) ride along with its tokens. The caller runs it in inference
-        mode (launch(); Grammars.sample_deferred), entered once per step: a few µs each time."""
+        """Queue a launched step's sampling (rank 0); its prompt logprobs ride along with its tokens.
+        The caller runs it in inference mode (launch(); Grammars.sample_deferred): a few µs per entry."""
         out = self._draw(step, sampling) if step.logits is not None else SampledTokens()
         out.prompt_logprobs = step.inputs.prompt_logprobs if step.inputs is not None else None
         if self.recorder is not None:
@@ -376,9 +369,8 @@ class ModelRunner:
 
     def run(self, batch: StepBatch, model, graphs: DecodeGraphs | None
             ) -> tuple[torch.Tensor | None, StepInputs | None]:
-        """The forward of a step through model (the target, or the draft model with its graphs),
-        and its logits on rank 0 when a sequence samples (else None). A step of no sequences (only
-        table writes, and the host tier's copies before them) runs nothing: (None, None)."""
+        """The forward of a step through model (the target, or the draft model with its graphs), and
+        its logits on rank 0 when a sequence samples (else None). A step of no sequences: (None, None)."""
         inputs = self.prepare(batch, graphs)
         if inputs is None:
             return None, None
@@ -395,9 +387,8 @@ class ModelRunner:
         return logits, inputs
 
     def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
-        """Write the step's sampled tokens ([S], on the device) into the token table, each after
-        the last token of its row's chunk: the next step reads its input ids there. With tensor
-        parallelism rank 0 broadcasts them first, a device-side collective with no host round trip."""
+        """Write the step's sampled tokens ([S], on the device) into the token table after each row's chunk,
+        where the next step reads its input ids (tensor parallel: rank 0 broadcasts them first, device-side)."""
         if self.group is not None:
             self.group.broadcast(tokens)
         rows, positions = inputs.sampled_at
@@ -405,9 +396,8 @@ class ModelRunner:
 
     def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None) -> StepInputs | None:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
-        attention metadata; write the step's block-table entries and new rows' tokens on the way.
-        Everything goes to the device in one copy. graphs: the decode CUDA graphs it may replay
-        (those of the model it runs through). A batch of no sequences only writes the tables (None)."""
+        attention metadata, writing its block-table entries and new rows' tokens on the way, all in
+        one copy. graphs: those it may replay. A batch of no sequences only writes the tables (None)."""
         layout = self._layout(batch, graphs) if batch.num_seqs else None
         d = self.upload({**(layout.parts if layout else {}), **self._table_writes(batch)})
         if "block_ids" in d:
@@ -427,8 +417,7 @@ class ModelRunner:
                           d.get("num_new"), sampled_at)
 
     def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None) -> "StepLayout":
-        """The host's part of prepare(): the row and position of every new token, and the
-        per-sequence arrays attention needs."""
+        """The host's part of prepare(): each new token's row and position, and attention's arrays."""
         num_seqs = batch.num_seqs
         starts, num_new = batch.starts.astype(np.int64), batch.num_new.astype(np.int64)  # [B]
         cu_q = np.zeros(num_seqs + 1, dtype=np.int64)                                # [B+1]
@@ -469,8 +458,7 @@ class ModelRunner:
 
     @staticmethod
     def _token_writes(batch: StepBatch) -> list[tuple[int, int, list[int]]]:
-        """(row, position, tokens) segments the step writes into the token table: new rows' tokens
-        and the sampler's redrawn ones (Redo)."""
+        """The step's (row, position, tokens) token-table writes: new rows' tokens, redrawn ones (Redo)."""
         return ([(row, 0, tokens) for row, tokens in batch.new_tokens]
                 + [(row, position, [token]) for row, position, token in batch.fixed_tokens])
 
@@ -505,9 +493,8 @@ class ModelRunner:
                 for (name, part), chunk in zip(parts.items(), chunks)}
 
     def sampling_batch(self, inputs: SamplingInputs, vocab_size: int) -> SamplingBatch:
-        """The step's sampling parameters as device tensors, [S] each: one copy of the int64 ones
-        and one of the float32 ones, holding only what some row of the batch uses (and the logits
-        processors', features/logits_processors.py, when a row has one)."""
+        """The step's sampling parameters as device tensors, [S] each, only those some row uses: one
+        copy of the int64 ones, one of the float32 ones (and the logits processors', when a row has one)."""
         needs = inputs.needs
         ints, floats = {}, {}
         if needs & Need.RANDOM:  # the noise: a function of (seed, position)
@@ -537,9 +524,8 @@ class ModelRunner:
         return dict(zip(arrays, stacked))
 
     def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
-        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a list of a
-        CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank
-        0 has run it too)."""
+        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a CPU tensor
+        [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank 0 runs it on)."""
         if self.workers is not None:
             self.workers.call("gather_blocks", block_ids, slots)
         both = self.host_copies.gather(block_ids, slots)

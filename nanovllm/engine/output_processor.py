@@ -1,8 +1,6 @@
 """Output processing: what a request's caller gets from its sequences. Text detokenized token by
-token where it is wanted (a stream, or stop strings to find), stop strings ending a sequence, a
-sample's final text, a request's output (its n samples fanned back in), and a stream's updates
-(each token and character reported once). The engine calls it for the sequences each step
-updates (update_text) and for its callers' results (output, stream_update)."""
+token where wanted (a stream, stop strings to find), stop strings ending a sequence, a sample's
+final text, a request's output (its n samples fanned back in), and a stream's updates."""
 from nanovllm.engine.sequence import Sequence
 
 # Prompt tokens decoded along with the completion: tokenizers that merge or strip spaces (a
@@ -51,16 +49,14 @@ class OutputProcessor:
         self.finish = finish  # Scheduler.finish: a stop string ends a sequence wherever it is
 
     def watch(self, samples: list[Sequence], stream: bool):
-        """Detokenize these new samples token by token when their text is wanted as it grows (a
-        stream, or stop strings to find in it)."""
+        """Detokenize these new samples token by token when their text is wanted as it grows."""
         if self.tokenizer is not None and (stream or samples[0].sampling_params.stop_strings):
             for seq in samples:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens])
 
     def update_text(self, seq: Sequence):
-        """Grow seq.text by its new tokens, one at a time (a speculative step brings several); end
-        the sequence at a stop string, and drop the tokens after the one that completed it: plain
-        decoding would have stopped there, before making them."""
+        """Grow seq.text by its new tokens, one at a time (a speculative step brings several); end the
+        sequence at a stop string, dropping the tokens after it (plain decoding would not make them)."""
         new_ids = seq.token_ids[seq.num_prompt_tokens + seq.detokenizer.num_completion_ids:]
         ended_by_token = seq.stop_reason is not None  # (its last token: then a stop string there does not count)
         for i, token in enumerate(new_ids):
@@ -117,9 +113,8 @@ class OutputProcessor:
         return {**outs[0], "samples": outs} if len(outs) > 1 else outs[0]
 
     def stream_update(self, seq: Sequence) -> dict | None:
-        """What is new in seq since its last update (None when nothing is): stream()'s dict, each
-        token and character reported once. A sequence built without a detokenizer (not for
-        streaming) has text only in its last update."""
+        """What is new in seq since its last update (None: nothing), as stream()'s dict, each token and
+        character reported once. A sequence without a detokenizer has text only in its last update."""
         first = seq.num_emitted_tokens
         if seq.is_finished:
             text = self.final_text(seq)

@@ -125,15 +125,13 @@ class Scheduler:
 
         The step is committed as it is planned, so the next one can be planned before this one's
         results are in (overlap scheduling): its sequences' num_computed_tokens count its tokens,
-        and each sequence that samples counts the token it will sample in num_tokens.
-        """
+        and each that samples counts the token it will sample in num_tokens."""
         step = ScheduledStep(releases=self.num_releases)
         num_preemptions = self.num_preemptions
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
         if self.num_preemptions == num_preemptions:
-            # (those admitted now hold their blocks and must not grow: a growth would preempt from the
-            # end of `running`, where they are; so they do not draft)
+            # (those admitted now do not draft: their growth would preempt from the end of `running`, where they are)
             self._schedule(step, self._admit_waiting(step, budget), budget, propose=False)
         if not step.seqs:
             return None
@@ -155,10 +153,10 @@ class Scheduler:
 
     def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, propose: bool = True) -> int:
         """Put running sequences in the step, in order, while the token budget lasts: a decode's token
-        (and the drafts the speculation hook proposes, unless propose=False), else a prefill's next
-        chunk, in new blocks where it needs them (_make_room, which preempts). Returns the budget left.
-        A plain decode, most of a step's sequences, is planned inline (a call per sequence would cost
-        ~20 µs of a 256-sequence step: scripts/bench_host.py); the rest in _schedule_one."""
+        (and the speculation hook's drafts, unless propose=False), else a prefill's next chunk, in
+        new blocks where needed (_make_room, which preempts). Returns the budget left. A plain decode,
+        most of a step, is planned inline (a call per sequence would cost ~20 µs of a 256-sequence
+        step: scripts/bench_host.py); the rest in _schedule_one."""
         add_seq, add_start = step.seqs.append, step.starts.append  # (the step's one loop: bound once)
         block_size = self.block_size
         drafts_of = self.speculation.propose if self.speculation is not None and propose else None
@@ -185,9 +183,8 @@ class Scheduler:
         return budget
 
     def _schedule_one(self, step: ScheduledStep, seq: Sequence, budget: int, drafts_of) -> int:
-        """Put seq in the step (a prefill chunk, or a decode with drafts or forks): returns the
-        tokens it computes, or -1 if it must wait (its drafts do not fit the budget left, or it was
-        preempted itself, the last running)."""
+        """Put seq in the step (a prefill chunk, or a decode with drafts or forks): returns the tokens
+        it computes, or -1 if it must wait (its drafts do not fit the budget, or it was preempted)."""
         num_tokens, start = seq.num_tokens, seq.num_computed_tokens
         n, num_drafts = min(num_tokens - start, budget), 0
         if num_tokens - start == 1 and drafts_of is not None:  # a decode may draft (speculative decoding)
@@ -222,9 +219,8 @@ class Scheduler:
             want(step.prompt_logprobs, len(step.seqs) - 1, seq, start, end)
 
     def _make_room(self, step: ScheduledStep, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while
-        too few blocks are free, preempt the most recently admitted running sequence (never one
-        already in this step). False when that was seq itself."""
+        """Grow seq's block table to num_tokens tokens, noting the new entries in the step; while too
+        few blocks are free, preempt the newest running sequence (never one in this step): False if that was seq."""
         offset = len(seq.block_table)
         while not self.block_manager.grow(seq, num_tokens):
             victim = self.running.pop()
@@ -235,9 +231,8 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> list[Sequence]:
-        """Admit waiting sequences, first come first served, while the budget, max_num_seqs and
-        free blocks allow (a sequence that does not fit stops the queue: no overtaking). Each gets
-        blocks for all its tokens and a row; returns them, to be scheduled."""
+        """Admit waiting sequences in order while budget, max_num_seqs and free blocks allow (one that
+        does not fit stops the queue: no overtaking), each with blocks for all its tokens and a row (returned)."""
         admitted = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -284,9 +279,8 @@ class Scheduler:
     # ---- accounting for a step ----------------------------------------------------------------
     def complete(self, step: ScheduledStep, tokens: list, logprobs: list | None = None) -> list[Sequence]:
         """Account for a launched step whose sampled tokens are in (one per sampling sequence, in
-        order; `logprobs` their logprob dicts): append them, and finish the sequences that stop.
-        Returns the sequences that got a token. (A speculative step's tokens are runs, one per
-        sequence: the speculation hook accounts for them.)"""
+        order; `logprobs` their dicts): append them, finish those that stop, and return those that got
+        one. (A speculative step's tokens are runs, one per sequence: the speculation hook's.)"""
         if step.drafts:
             return self.speculation.complete(self, step, tokens, logprobs)
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
@@ -300,10 +294,9 @@ class Scheduler:
         return seqs
 
     def correct(self, step: ScheduledStep, indices: list[int], tokens: list[int], in_flight: ScheduledStep | None):
-        """The sampler redrew these sampling rows of `step` (Redo) after writing their first draw
-        into the device's token table: the next step writes the right token there, and a step in
-        flight that already decoded the first draw is undone for them (its token is dropped, and
-        they compute that position again). Called before complete(step) with the final tokens."""
+        """The sampler redrew these sampling rows of `step` (Redo) after writing their first draw into the
+        device's token table: the next step writes the right token there, and a step in flight that decoded
+        the first draw is undone for them (token dropped, position recomputed). Called before complete(step)."""
         for i in indices:
             seq = step.sampling[i]
             if seq.status is not SequenceStatus.RUNNING or seq in step.undone:
@@ -317,9 +310,8 @@ class Scheduler:
                 in_flight.undone.add(seq)
 
     def _drop_finished(self, step: ScheduledStep, tokens: list[int], logprobs: list[dict] | None):
-        """With overlap scheduling the next step is already running when this one is accounted
-        for, so a sequence that finished meanwhile (a stop, an abort) ran once more there: that
-        token is dropped here, as is one that correct() undid."""
+        """With overlap scheduling the next step runs while this one is accounted for: a sequence that
+        finished meanwhile (a stop, an abort) ran there once more: that token is dropped, as is one correct() undid."""
         seqs = step.sampling
         if self.num_releases == step.releases and not step.undone:  # (most steps: none ended since its planning)
             return seqs, tokens, logprobs
@@ -339,9 +331,8 @@ class Scheduler:
 
     @staticmethod
     def stop_reasons(seq: Sequence, token: int) -> tuple[str, int | None] | None:
-        """Whether seq, having just appended token, ends, and why: (finish_reason, stop_reason)
-        for a stop token (once min_tokens are in), its grammar complete (it took its stop token,
-        or refused one: "error"), or its length limit; None: it goes on."""
+        """Whether seq, having just appended token, ends, and why: (finish_reason, stop_reason) for a
+        stop token (once min_tokens are in), its grammar complete ("error": refused), its length; or None."""
         params = seq.sampling_params
         if token in seq.stop_ids and seq.num_completion_tokens >= params.min_tokens:
             return "stop", token if token in params.stop_token_ids else None  # (EOS: None)

@@ -20,8 +20,7 @@ class Sequence:
                            reached the host yet (overlap scheduling: one, while a step is in flight)
       num_computed_tokens  positions whose K/V are in the cache, or being written there by a
                            launched step (prefix-cache hits included)
-      token_limit          num_tokens at which it ends by length (prompt + max_tokens, at most
-                           max_model_len)
+      token_limit          num_tokens at which it ends by length (prompt + max_tokens, <= max_model_len)
     A step computes positions num_computed_tokens .. num_computed_tokens + n - 1 of it, and samples
     a token exactly when that brings num_computed_tokens up to num_tokens (the end of its prefill,
     or any decode step). These, its status and its finish reason change only in the methods below
@@ -86,8 +85,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def metrics(self) -> dict:
-        """Latency of this request: TTFT (arrival to first token) and mean TPOT (time per output
-        token after the first), in seconds; times are perf_counter() values."""
+        """Latency: TTFT (arrival to first token) and mean TPOT (per token after the first), in seconds."""
         ttft = tpot = None
         if self.first_token_time is not None:
             ttft = self.first_token_time - self.arrival_time
@@ -103,16 +101,14 @@ class Sequence:
 
     # ---- the writes ---------------------------------------------------------------------------
     def admit(self, num_cached: int):
-        """It runs, with its first num_cached tokens served by the prefix cache (the count of its
-        first admission is the one it reports)."""
+        """It runs, its first num_cached tokens served by the prefix cache (its first admission's count is reported)."""
         self.status = SequenceStatus.RUNNING
         self.num_computed_tokens = num_cached
         if not self.admitted:
             self.num_cached_tokens, self.admitted = num_cached, True
 
     def advance(self, end: int, samples: bool):
-        """A step computes its positions up to end; if it samples, the token drawn there is in
-        flight (counted in num_tokens) until append() brings its id."""
+        """A step computes its positions up to end; a token it samples is in flight till append_each()."""
         self.num_computed_tokens = end
         if samples:
             self.num_tokens = end + 1
@@ -150,9 +146,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
     def finish(self, reason: str, stop_reason: int | str | None, now: float):
-        """It ends, for reason ("stop", "length", "abort", "error"); a second call (a stop string
-        found in the text a speculative step finished with) changes the reasons alone. Its blocks
-        are gone (or going: the scheduler frees them)."""
+        """It ends, for reason ("stop", "length", "abort", "error"); a second call (a stop string in the
+        text a speculative step finished with) changes the reasons alone. The scheduler frees its blocks."""
         self.status = SequenceStatus.FINISHED
         self.num_computed_tokens = 0
         self.finish_reason, self.stop_reason = reason, stop_reason

@@ -13,15 +13,12 @@ class StepBatch:
     where each step's sampler writes the tokens it samples (so a decode step's inputs are on the
     device before the host has read them) and `new_tokens` writes the tokens of a sequence new in
     its row (`fixed_tokens`, the rare token the sampler redrew after it was written; `draft_tokens`,
-    a speculative step's drafts, which it computes and verifies). The block
-    tables also live on the device, one row each; `new_blocks` holds the entries this step adds.
+    a speculative step's drafts, which it computes and verifies). The block tables also live on
+    the device, one row each; `new_blocks` holds the entries this step adds.
 
     The host tier of the prefix cache (kv_offloading_size): before the step's forward, every rank
-    copies its shard of whole KV blocks (every layer, K and V) between device blocks and host
-    slots, as the block manager decided: first `offloads` (device -> host: a block evicted from
-    the device whose contents are kept), then `reloads` (host -> device: a prefix hit in the host
-    tier, into a freshly allocated block). An offload reads a block's contents from before the
-    step's reloads, so a block may be offloaded and reloaded into in the same step.
+    copies its shard of whole KV blocks (every layer, K and V) as the block manager queued them:
+    first `offloads` (device -> host), then `reloads` (host -> device).
     """
     rows: np.ndarray       # [B] int32 (int32 throughout: the message to the other ranks stays small)
     starts: np.ndarray     # [B] int32

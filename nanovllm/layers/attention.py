@@ -9,17 +9,14 @@ class Attention(nn.Module):
     block tables with the backend the model runner bound (`self.backend`).
 
     The runner also binds k_cache / v_cache ([num_blocks, block_size, Hkv, D]); before it does,
-    and in the start-up warm-up step (no slot mapping, no block tables), attention runs over the
-    new tokens alone.
+    and in the start-up warm-up step (no slot mapping), attention runs over the new tokens alone.
 
     k_scale, v_scale: an fp8 cache (kv_cache_dtype="fp8") stores K / k_scale and V / v_scale
     (backends/torch_ref.py). 1.0 unless the checkpoint has model.layers.N.self_attn.k_scale /
     .v_scale (vLLM's FP8 checkpoints), as vLLM does: e4m3's +-448 covers the K/V values models
-    produce. They are never computed from the traffic (say from the first prefill): every later
-    request's output would then depend on which request came first, and on its batch. Device
-    tensors, fixed once loaded, so a captured CUDA graph reads the right values; optional
-    parameters: a checkpoint without them loads (utils/loader.py), and a cache in the model's
-    dtype ignores them.
+    produce. Never computed from the traffic (say the first prefill): every later request's
+    output would then depend on which came first, and on its batch. Device tensors, fixed once
+    loaded, so a captured CUDA graph reads the right values; a checkpoint may omit them (kv_scale()).
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
@@ -39,9 +36,8 @@ class Attention(nn.Module):
 
     @staticmethod
     def weight_loader(param: nn.Parameter, loaded: torch.Tensor):
-        """A checkpoint's k_scale / v_scale: one positive finite number (a scalar or shape [1]).
-        A ValueError otherwise (the loader names the tensor): a scale of 0 would make every K/V
-        infinite, a negative one flip their signs; per-head or per-channel scales are not read."""
+        """A checkpoint's k_scale / v_scale: one positive finite number (a scalar or shape [1]), else a
+        ValueError (a scale of 0 makes every K/V infinite, a negative one flips their signs)."""
         if loaded.numel() != 1 or loaded.dim() > 1:
             raise ValueError(f"a KV-cache scale must be one number (a scalar or shape [1]), got shape "
                              f"{tuple(loaded.shape)}")
@@ -52,25 +48,24 @@ class Attention(nn.Module):
 
 
 def kv_scale() -> nn.Parameter:
-    """A layer's k_scale or v_scale: a 0-dim float32 parameter, 1.0 until a checkpoint gives one."""
+    """A layer's k_scale or v_scale: a 0-dim float32 parameter, 1.0 until a checkpoint gives one
+    (a cache in the model's dtype ignores it)."""
     scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
     scale.optional = True  # (utils/loader.py: not reported missing when the checkpoint has none)
     return scale
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block of a model with these attention layers, in the cache's dtype
-    (Config.kv_dtype: 1 byte per element for fp8)."""
+    """Bytes of one KV block of a model with these attention layers, in the cache's dtype (Config.kv_dtype)."""
     per_token = 2 * len(layers) * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
     return block_size * per_token
 
 
 def bind_kv_cache(layers: list[Attention], num_blocks: int | None, block_size: int, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor | None:
-    """A KV cache of num_blocks usable blocks, each layer handed its slices (None: unbind them,
-    freeing the old one), in dtype (Config.kv_dtype). [K/V, layer, block, slot in block, kv
-    head, head dim]. One spare block at the end, never handed out: the scratch row's tokens
-    (CUDA-graph padding) write and read there, harmlessly."""
+    """A KV cache [K/V, layer, block, slot in block, kv head, head dim] of num_blocks usable blocks,
+    each layer handed its slices (None: unbind them). One spare block at the end, never handed
+    out: the scratch row's tokens (CUDA-graph padding) write and read there, harmlessly."""
     for layer in layers:
         layer.k_cache = layer.v_cache = None
     if num_blocks is None:

@@ -2,9 +2,8 @@
 first token whose cumulative probability reaches u (one pass over the vocabulary).
 
 u is not drawn from a stateful generator but computed by hashing (request seed, position), so a
-request's samples depend on its own seed and logits alone, whatever else shares the batch, and on
-no Python loop. (On a GPU the logits themselves may differ in their last bits with the batch's size.)
-"""
+request's samples depend on its own seed and logits alone, whatever else shares the batch, with no
+Python loop. (On a GPU the logits themselves may differ in their last bits with the batch's size.)"""
 import torch
 
 
@@ -37,10 +36,9 @@ CDF_CHUNK = 1024
 
 
 def sample_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Token i with probability probs[i] / sum(probs), per row: the first index where the
-    cumulative sum reaches u * total (inverse transform sampling), found in two levels (CDF_CHUNK).
-    Zero-probability tokens are never chosen (their cumulative sum equals their predecessor's,
-    which fell short). probs [B, V] (unnormalized), uniform [B]."""
+    """Token i with probability probs[i] / sum(probs), per row: the first index where the cumulative
+    sum reaches u * total, found in two levels (CDF_CHUNK). Zero-probability tokens are never chosen
+    (their cumulative sum equals their predecessor's, which fell short). probs [B, V], uniform [B]."""
     num_rows, vocab = probs.shape
     size = min(CDF_CHUNK, vocab)
     num_chunks = -(-vocab // size)

@@ -6,15 +6,12 @@ layers split their input features and all-reduce the partial products. Each laye
 unsharded shape its config implies (a too-large tensor would otherwise be sliced without complaint)
 and copies this rank's slice into `param`.
 
-A layer built in a quantization scope (layers/quantization) gets its scheme's method, which
-creates its parameters and applies them; unquantized, it holds `weight` [out, in] and calls
-F.linear. Either way the loaders slice in features: each parameter's `Axes` say which of its axes
-holds the output and input features, and how many features one stored element covers (a
-quantized layer's scales and packed words), so one slicing rule serves every scheme.
-
-The quantization hook: a model built inside `quantization_scope(config)` gets, for each linear
-layer, `config.linear_method(prefix)` (layers/quantization/__init__.py). An unquantized engine has
-no scope and never imports that package.
+The quantization hook: a layer built inside `quantization_scope(config)` gets its scheme's method,
+`config.linear_method(prefix)` (layers/quantization/__init__.py), which creates its parameters
+and applies them; unquantized, it holds `weight` [out, in] and calls F.linear (an unquantized
+engine never imports that package). Either way the loaders slice in features: each parameter's
+`Axes` say which of its axes holds the output and input features, and how many features one
+stored element covers (a quantized layer's scales and packed words): one rule serves every scheme.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,8 +28,7 @@ from nanovllm.utils.parallel import tp_group, tp_rank, tp_size
 class Axes:
     """Where a stored tensor keeps a linear layer's output and input features, and how many
     features one stored element covers along each (AWQ packs 8 output features into an int32; a
-    block scale covers 128 x 128 weights). A checkpoint tensor of a layer with `out` x `in`
-    features is then ceil(out / output_pack) x ceil(in / input_pack) along those axes."""
+    block scale covers 128 x 128 weights): out x in features take ceil(out / output_pack) x ceil(in / input_pack)."""
     output_dim: int | None
     input_dim: int | None
     output_pack: int = 1
@@ -101,9 +97,8 @@ def load_features(param: nn.Parameter, loaded: torch.Tensor, full: tuple[int, in
     """Copy a slice of checkpoint tensor `loaded` into `param`, in features.
 
     full: the checkpoint tensor's (output, input) features, which its shape must match.
-    out: (first output feature taken, how many, where they go in param), None: all of them.
-    inp: (first input feature taken, how many), None: all of them.
-    """
+    out: (first output feature taken, how many, where they go in param); inp: (first input
+    feature taken, how many). None: all of them."""
     axes = axes_of(param)
     check_shape(loaded, axes.shape(loaded.dim(), *full))
     src, dst = loaded, param.data
@@ -168,10 +163,8 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel matrices stacked into one GEMM (gate and up projections).
-
-    Local weight rows: [shard 0's slice for this rank | shard 1's slice | ...].
-    """
+    """Several column-parallel matrices stacked into one GEMM (gate and up projections); local
+    weight rows: [shard 0's slice for this rank | shard 1's slice | ...]."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, prefix: str = ""):
         self.full_output_sizes = output_sizes
@@ -185,10 +178,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one GEMM; local rows are [q heads | k heads | v heads] of this rank.
-
-    Query heads split evenly. KV heads split too, or, when there are fewer KV heads than ranks,
-    each rank holds a copy of the one KV head its query heads attend to.
-    """
+    Query heads split evenly; KV heads too, or, when there are fewer KV heads than ranks, each
+    rank holds a copy of the one KV head its query heads attend to."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  prefix: str = ""):

@@ -11,10 +11,8 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names no rop
 
 def rope_parameters(config) -> dict:
     """The config's RoPE settings as one dict: rope_type, rope_theta and the type's own keys.
-
     transformers >= 5 keeps them in `config.rope_parameters`; older releases in `config.rope_theta`
-    plus an optional `config.rope_scaling` dict (whose type key may be the legacy "type").
-    """
+    plus an optional `config.rope_scaling` dict (whose type key may be the legacy "type")."""
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -51,8 +49,7 @@ def rope_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     if params["rope_type"] == "default":
         return inv_freq
     # llama3 (Llama 3.1+): wavelengths longer than the pretraining context / low_freq_factor are
-    # stretched by `factor`, shorter than context / high_freq_factor kept, and those in between
-    # interpolated smoothly.
+    # stretched by `factor`, shorter than context / high_freq_factor kept, those between interpolated.
     factor, low_freq_factor, high_freq_factor, old_context_len = (params[key] for key in LLAMA3_KEYS)
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor

@@ -13,8 +13,7 @@ from nanovllm.layers.inverse_transform import sample_from, uniform_per_row
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters on the device, [B] each; optional parts are None when no row
-    uses them, so the common case pays for nothing it does not use."""
+    """Per-row sampling parameters on the device, [B] each; parts no row uses are None (and cost nothing)."""
     temperatures: torch.Tensor | None           # None (with seeds, positions) when all_greedy
     seeds: torch.Tensor | None                  # int64
     positions: torch.Tensor | None              # int64: position of the token being sampled
@@ -27,9 +26,8 @@ class SamplingBatch:
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The float32 logits after the batch's logits processors (grammars, allowed_token_ids,
-    logit_bias, penalties, min_tokens: features/logits_processors.py): what greedy takes the argmax
-    of, and temperature scales (the rejection sampler's target distribution too)."""
+    """The float32 logits after the batch's logits processors (features/logits_processors.py): what
+    greedy takes the argmax of, and temperature scales (the rejection sampler's target too)."""
     if batch.processors is None:
         return logits
     from nanovllm.features.logits_processors import apply  # (their layer: loaded with the first row that has one)
@@ -48,10 +46,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch):
         """logits [B, V] -> (token ids [B], logprobs or None, Redo or None), with no host sync.
-        Greedy rows (temperature 0) take the argmax of the (penalized) logits; logprobs, when
-        asked, come from the raw logits: (chosen token's [B], top-k values [B, k], top-k ids
-        [B, k]). With top-k, top-p or min-p over a large vocabulary a few rows may be flagged to be
-        redrawn the full way (Redo): their tokens here are not final until then."""
+        Greedy rows (temperature 0) take the argmax of the processed logits; logprobs come from the raw
+        ones: (chosen token's [B], top-k values [B, k], top-k ids [B, k]). With top-k, top-p or min-p
+        over a large vocabulary a few rows may be flagged to be redrawn the full way (Redo) later."""
         logits = logits.float()
         logprobs = redo = raw = None
         if batch.num_logprobs is not None:

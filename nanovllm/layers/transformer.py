@@ -47,19 +47,15 @@ def num_kv_heads_of(config: PretrainedConfig) -> int:
 
 
 def sliding_window_of(config: PretrainedConfig) -> int | None:
-    """The attention window the config asks for, None for full attention. Qwen2/Qwen3 switch theirs
-    on with use_sliding_window; Mistral's applies whenever sliding_window is set."""
+    """The config's attention window (None: full); Qwen2/3 need use_sliding_window, Mistral's is always on."""
     if not getattr(config, "use_sliding_window", True):
         return None
     return getattr(config, "sliding_window", None)
 
 
 def check_decoder_config(config: PretrainedConfig, max_model_len: int | None):
-    """ValueError naming the option for whatever this decoder would compute differently from HF.
-
-    A sliding window at least max_model_len long never drops a key, so it is accepted; with
-    max_model_len None (not known yet) the window is not checked.
-    """
+    """ValueError naming the option for whatever this decoder would compute differently from HF. A
+    sliding window of at least max_model_len never drops a key: accepted (max_model_len None: unchecked)."""
     act = getattr(config, "hidden_act", "silu")
     if act not in SILU_NAMES:
         raise ValueError(f"hidden_act={act!r} is not supported; supported: {list(SILU_NAMES)}")
@@ -157,9 +153,7 @@ class DecoderForCausalLM(nn.Module):
 
     A family subclasses it and overrides `flags` (and `check_config` for checks of its own;
     `build_mlp` for layers whose MLP is not the gated one, `checkpoint_target` for checkpoint
-    names the packing below does not cover). `max_position` is the engine's max_model_len: the
-    longest sequence the model will see.
-    """
+    names the packing below does not cover). `max_position` is the engine's max_model_len."""
     # checkpoint name fragment -> (our packed parameter's name fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -179,9 +173,8 @@ class DecoderForCausalLM(nn.Module):
         return GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias, f"model.layers.{layer_index}.mlp")
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
-        """Where checkpoint tensor `name` goes: (our parameter's name, shard id or None). A name
-        that `packed_modules_mapping` lists goes to the packed parameter, with its shard id; a
-        layer's KV-cache scales (self_attn.k_scale / v_scale) to its Attention module's."""
+        """Where checkpoint tensor `name` goes: (our parameter's name, shard id or None): a packed
+        part to its packed parameter; a layer's KV-cache scales (self_attn.k_scale / v_scale) to its Attention's."""
         if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
             return name.replace(".self_attn.", ".self_attn.attn."), None
         for part, (packed_part, shard_id) in self.packed_modules_mapping.items():

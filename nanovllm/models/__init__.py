@@ -12,8 +12,7 @@ REGISTRY = {  # architecture -> its module under nanovllm.models
 
 def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None = None):
     """The class for hf_config, after its check_config: ValueError for an unsupported architecture
-    or option. Options that depend on the sequence length (a sliding window) are checked only when
-    max_model_len is given; the model's constructor checks them again with its max_position."""
+    or option (those that depend on max_model_len, a sliding window, only when it is given)."""
     architectures = getattr(hf_config, "architectures", None) or []
     if isinstance(architectures, str):  # a hand-written config.json may give one name, not a list
         architectures = [architectures]

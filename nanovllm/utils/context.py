@@ -49,8 +49,7 @@ def get_context() -> Context:
 
 @contextmanager
 def forward_context(context: Context):
-    """Make `context` visible to the attention layers for one forward; the one before (None
-    outside a step) is restored after."""
+    """Make `context` visible to the attention layers for one forward, then restore the one before."""
     global _CONTEXT
     previous, _CONTEXT = _CONTEXT, context
     try:
@@ -62,9 +61,8 @@ def forward_context(context: Context):
 @contextmanager
 def default_dtype_and_device(dtype: torch.dtype, device: str | torch.device):
     """Build modules directly in `dtype` on `device`, restoring the global defaults afterwards.
-
-    `with torch.device(...)` rather than set_default_device: the latter, once called, leaves a
-    device mode installed that adds overhead to every later torch call, even when set back."""
+    `with torch.device(...)`, not set_default_device: that leaves a device mode installed which
+    adds overhead to every later torch call, even when set back."""
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -37,11 +37,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 def load_param(model: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
     """Copy `loaded` into parameter `name` through its owning module's weight_loader, if it has one.
-
-    The loader is looked up on the module rather than stored on the parameter: a bound method kept
-    on the parameter would make a cycle (module -> param -> method -> module) that keeps the weights
-    alive after the model is dropped, until the garbage collector happens to run.
-    """
+    Looked up on the module, not stored on the parameter: a bound method there would make a cycle
+    (module -> param -> method -> module) keeping the weights alive until the garbage collector runs."""
     module = model.get_submodule(name.rpartition(".")[0])
     loader = getattr(module, "weight_loader", None)
     if shard_id is not None:  # a part of a packed matrix: only packed layers know where it goes
@@ -56,11 +53,9 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
     Checkpoint names are Hugging Face's; the model's `checkpoint_target(name)` redirects the parts
     of packed matrices (q/k/v, gate/up, a layer's experts) to the packed parameter with their shard
     id. Raises ValueError when a file cannot be read, a tensor's shape is not the one config.json
-    implies, a parameter (or a part of a packed one that says so: `missing_shards()`) gets no
-    weight, or a checkpoint tensor has no parameter to go to (a model option this implementation
-    does not know would otherwise be silently dropped). show_progress: a bar over the shards when
-    loading takes more than a moment (rank 0 only: every rank reads every shard).
-    """
+    implies, a parameter (or a part of a packed one: `missing_shards()`) gets no weight, or a
+    checkpoint tensor has no parameter (a model option unknown here would otherwise be dropped
+    silently). show_progress: a bar over the shards (rank 0 only: every rank reads every shard)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r} (use load_format='dummy' for random weights)")
@@ -84,8 +79,7 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
 
 
 def load_file(model: nn.Module, file: str, params: dict, loaded: set[str], unexpected: list[str]):
-    """One safetensors file's tensors into their parameters (load_model): the parameters loaded
-    go into `loaded`, the names of tensors with none to go to into `unexpected`."""
+    """One safetensors file's tensors into their parameters, noted in `loaded` (those with none: `unexpected`)."""
     try:
         f = safe_open(file, "pt", "cpu")
     except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable

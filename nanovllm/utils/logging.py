@@ -4,9 +4,8 @@ A library must leave logging to the application, so importing nanovllm configure
 an engine (and the CLI) calls configure_logging(), which gives the `nanovllm` logger one handler to
 stderr at INFO, in vLLM's short format (`INFO 12-01 10:40:00 [llm_engine.py:88] ...`), only where
 the application has configured no logging of its own (no handler on the root logger or on
-`nanovllm`). That handler does not propagate, so a root handler the application adds later does not
-print each line twice. NANOVLLM_CONFIGURE_LOGGING=0 turns it off (as VLLM_CONFIGURE_LOGGING does):
-the records then go wherever the application's own configuration sends them.
+`nanovllm`). That handler does not propagate, so a root handler added later does not print each
+line twice. NANOVLLM_CONFIGURE_LOGGING=0 turns it off (as VLLM_CONFIGURE_LOGGING does).
 """
 import logging
 import os
@@ -26,8 +25,7 @@ logger = logging.getLogger(LOGGER_NAME)
 
 def configure_logging(level: str | int | None = None):
     """Set the `nanovllm` logger's level (the CLI's --log-level; None leaves it), and give it the
-    default stderr handler unless the application configured logging or opted out (see above).
-    Idempotent: a second call finds the handler in place."""
+    default stderr handler unless the application configured logging or opted out. Idempotent."""
     if level is not None:
         logger.setLevel(level.upper() if isinstance(level, str) else level)
     if os.environ.get(CONFIGURE_ENV, "1") == "0" or logger.handlers or logging.getLogger().handlers:

@@ -1,8 +1,7 @@
 """Tensor-parallel groups, one per engine.
 
-Each engine owns its own process group, built on its own store (no global default group), so
-two engines can live in one process. Layers read the group of the model being built from
-`tensor_parallel(group)` at construction and keep it.
+Each engine owns its process group, on its own store (no global default group), so two engines
+can live in one process. Layers read the model's group from `tensor_parallel(group)` when built.
 """
 from contextlib import contextmanager
 from datetime import timedelta

@@ -34,9 +34,8 @@ def available_backends(device: str) -> list[str]:
 
 
 def resolve_backend(name: str | None, device: str, fp8_kv: bool = False) -> str:
-    """The backend to use: the named one if it is available, else (None) the best for device
-    (fp8_kv: the best that reads an fp8 KV cache). On CPU the default is torch: the others run
-    there only as integration tests."""
+    """The named backend if it is available, else (None) the best for device (fp8_kv: that reads an
+    fp8 KV cache). On CPU the default is torch: the others run there only as integration tests."""
     available = available_backends(device)
     if name is None:
         if device != "cuda":
@@ -58,9 +57,8 @@ def get_backend(name: str, device: str):
         from nanovllm.layers.backends.flash_attn import FlashAttnBackend
         return FlashAttnBackend
     if name == "triton":
-        # Interpreted on CPU, compiled on CUDA; Triton has one mode per process, so an engine that
-        # needs the other one than an earlier engine of the process is refused (utils/triton_mode.py,
-        # loaded here: the torch backend needs no Triton)
+        # Interpreted on CPU, compiled on CUDA: one mode per process, an engine needing the other one is
+        # refused (utils/triton_mode.py, loaded here: the torch backend needs no Triton)
         from nanovllm.utils.triton_mode import import_kernels
         return import_kernels("nanovllm.layers.backends.triton_attn", device, "attention_backend='triton'").TritonBackend
     return TorchBackend

@@ -7,9 +7,8 @@ quantizes, and forward dequantizes (fp8.to(q.dtype) * scale) the K/V it gathers 
 A step with no cached context (block_tables None: fresh prompts) attends over its new K/V
 quantized and dequantized the same way, i.e. over exactly what the cache now holds. vLLM attends
 over the unquantized new K/V there; we do not, so that a token's output depends only on its
-context's tokens: otherwise it would change with how the scheduler happened to split a prompt
-into chunks (a later chunk reads the earlier ones from the cache), whether the prefix cache held
-its first blocks, or whether it was recomputed after a preemption. Every backend does the same.
+context's tokens, not on how the scheduler split a prompt into chunks (a later chunk reads the
+earlier ones from the cache), on prefix-cache hits, or on a preemption. Every backend does the same.
 """
 import torch
 import torch.nn.functional as F
@@ -42,11 +41,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last len(q) positions of a context over all of it.
-
-    q: [n, H, D]; k, v: [L, Hkv, D] with L >= n. Query i sits at position L - n + i and sees keys
-    0 .. L - n + i. Returns [n, H, D].
-    """
+    """Causal attention of the last len(q) positions of a context over all of it: q [n, H, D], k, v
+    [L, Hkv, D] (L >= n) -> [n, H, D]. Query i sits at position L - n + i and sees keys 0 .. L - n + i."""
     n, length = q.shape[0], k.shape[0]
     if n == 1:
         mask, causal = None, False          # a lone last query sees every key
