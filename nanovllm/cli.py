@@ -1,10 +1,7 @@
-"""The `nanovllm` command (also `python -m nanovllm`):
+"""The `nanovllm` command (also `python -m nanovllm`); each `LLM(...)` option is a flag (entrypoints/args.py):
 
     nanovllm serve MODEL [options]   an OpenAI-compatible server (needs the `serve` extra)
     nanovllm chat MODEL [options]    an interactive chat in the terminal
-
-Every `LLM(...)` option is a flag with dashes (`--max-model-len 2048`, `--no-enable-prefix-caching`),
-read from LLM's own signature (entrypoints/args.py), so the two never drift apart.
 """
 import argparse
 import os
@@ -18,10 +15,6 @@ from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.utils.logging import configure_logging
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
-
-
-def add_log_level_argument(parser: argparse.ArgumentParser, help_text: str):
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="refuse a larger body with 413, before parsing it (default: 8 MiB, room "
                                    "for a 128k-token context as JSON token ids)")
     serve_parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
-    add_log_level_argument(serve_parser, "the level of nanovllm's log (on stderr) and of uvicorn's")
+    serve_parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                              help="the level of nanovllm's log (on stderr) and of uvicorn's")
     serve_parser.add_argument("--disable-log-requests", action="store_true",
                               help="no access-log line per HTTP request (uvicorn's access log)")
     add_llm_arguments(serve_parser)
@@ -63,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat_parser.add_argument("--top-p", type=float, default=1.0)
     chat_parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
     chat_parser.add_argument("--seed", type=int, default=None)
-    add_log_level_argument(chat_parser, "the level of nanovllm's log, on stderr (the chat is on stdout)")
+    chat_parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                             help="the level of nanovllm's log, on stderr (the chat is on stdout)")
     add_llm_arguments(chat_parser)
     return parser
 

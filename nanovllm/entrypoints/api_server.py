@@ -6,19 +6,13 @@
     POST /v1/chat/completions    messages, rendered by the tokenizer's chat template
     GET  /metrics                Prometheus metrics (entrypoints/metrics.py)
 
-Concurrent requests share the engine's continuous batching: each HTTP request becomes one engine
-request per prompt, and the engine thread (entrypoints/async_engine.py) steps them all together;
-prompts are tokenized on threads of their own, so a huge one holds up nobody else.
+Concurrent requests share the engine's continuous batching (entrypoints/async_engine.py). Errors have
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}: a client's mistake is a 4xx naming the
+field, never a 500, and never disturbs the other requests.
 
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}. A client's mistake is
-a 4xx naming the field, never a 500, and never disturbs the other requests. Before a body is read,
-the Gate (below) checks the API key (401) and the body's size (413, --max-request-bytes).
-
-Shutdown (SIGTERM or SIGINT) refuses new requests and aborts those in flight; every client gets an
-answer: a 503 "the server is shutting down" (Retry-After: 1) if its response had not started, or,
-for a stream already under way, a last event {"error": {...}} and then `data: [DONE]`. A request
-still uploading its body gets that 503 too, within SHUTDOWN_GRACE seconds. (finish_reason "abort"
-is the engine's own word for this; the API never reports it.)
+Shutdown (SIGTERM or SIGINT) refuses new requests and aborts those in flight: a response not started yet
+(an upload too, within SHUTDOWN_GRACE seconds) is a 503 with Retry-After: 1, a stream under way ends with
+an {"error": ...} event and `data: [DONE]`. (The engine's finish_reason "abort" is never reported.)
 """
 import asyncio
 import dataclasses
@@ -81,29 +75,22 @@ def shutting_down() -> APIError:
 
 
 # ---- errors: every one in OpenAI's shape ---------------------------------------------------------
-async def api_error(_, e: APIError):
-    return e.response()
-
-
-async def bad_request(_, e: BadRequest):
-    return APIError(e.status, str(e), "invalid_request_error", e.param).response()
-
-
-async def http_error(_, e: StarletteHTTPException):
-    return APIError(e.status_code, str(e.detail), "invalid_request_error").response()
-
-
 def internal_error() -> APIError:
     return APIError(500, "the server failed to answer this request (a bug: its log has the traceback)", "server_error")
 
 
-async def unexpected_error(_, e: Exception):
-    """A bug of ours still answers in OpenAI's shape (Starlette logs the traceback)."""
-    return internal_error().response()
+async def error_response(_, e: Exception) -> JSONResponse:
+    """The app's handler of these errors; a bug of ours still answers in OpenAI's shape (Starlette logs it)."""
+    if isinstance(e, BadRequest):
+        e = APIError(e.status, str(e), "invalid_request_error", e.param)
+    elif isinstance(e, StarletteHTTPException):
+        e = APIError(e.status_code, str(e.detail), "invalid_request_error")
+    elif not isinstance(e, APIError):
+        e = internal_error()
+    return e.response()
 
 
-ERROR_HANDLERS = {APIError: api_error, BadRequest: bad_request, StarletteHTTPException: http_error,
-                  Exception: unexpected_error}
+HANDLED_ERRORS = (APIError, BadRequest, StarletteHTTPException, Exception)  # (Exception: Starlette's 500 handler)
 ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "A bad request: the error's `param` names the field"), (401, "A missing or wrong API key"),
     (404, "An unknown model"), (413, "A body over --max-request-bytes"), (415, "A body that is not JSON"),
@@ -111,13 +98,10 @@ ERRORS = {status: {"model": ErrorResponse, "description": description} for statu
 
 
 class Gate:
-    """ASGI middleware in front of the app, deciding before the body is parsed: a /v1 request
-    without the API key is a 401 and a body over max_request_bytes a 413, neither body read into
-    memory; a request still uploading when shutdown starts gets a 503 within SHUTDOWN_GRACE. The
-    body read here is handed on to the app. (A refused body is still read to its end, up to
-    DISCARD_LIMIT, and dropped: closing a connection in mid-upload makes clients see a reset
-    instead of the answer; unless the client asked "Expect: 100-continue", and so sends no body
-    before it hears from us.)"""
+    """ASGI middleware deciding before the body is parsed: 401 for a /v1 request without the API key, 413
+    for a body over max_request_bytes (neither read into memory), 503 within SHUTDOWN_GRACE for an upload
+    under way at shutdown. A refused body is still read (up to DISCARD_LIMIT) and dropped, as clients see a
+    reset if we close mid-upload; not after "Expect: 100-continue" (the client waits for our word)."""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
@@ -127,7 +111,6 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        # (a client that sent "Expect: 100-continue" waits for our word before sending the body)
         discard = DISCARD_LIMIT if "100-continue" not in headers.get("expect", "").lower() else 0
         if scope["path"].startswith("/v1") and not self._authorized(headers):
             return await self._refuse(APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
@@ -142,22 +125,15 @@ class Gate:
         if more:  # (nothing left to drop when the message past the limit was the body's last)
             return await self._refuse(self._too_large(len(body) + len(more)), 0 if ended else DISCARD_LIMIT,
                                       scope, receive, send)
-
-        replayed = False
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():  # the body first, then the connection's own messages (a disconnect)
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return pending.pop() if pending else await receive()
         await self.app(scope, replay, send)
 
     def _authorized(self, headers: dict) -> bool:
-        if self.api_key is None:
-            return True
-        given = headers.get("authorization", "")
-        return secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        return self.api_key is None or secrets.compare_digest(headers.get("authorization", "").encode(),
+                                                              f"Bearer {self.api_key}".encode())
 
     def _too_large(self, size: int) -> APIError:
         return APIError(413, f"the body is {size} bytes, more than the {self.max_request_bytes} this server takes "
@@ -170,10 +146,8 @@ class Gate:
         await error.response()(scope, receive, send)
 
     async def _read(self, receive, limit: int, keep: bool = True) -> tuple[bytes, bytes | None, bool]:
-        """The body, up to limit bytes (kept, or counted and dropped), what came past the limit
-        (b"" if nothing did; None if shutdown's grace ran out first), and whether the body's last
-        message has been read: a refusal must then read no further, since no message would come
-        until the client gives up (a chunked body whose last chunk crosses the limit)."""
+        """The body up to limit bytes (kept, or dropped), what came past it (b""; None: shutdown's grace ran
+        out), and whether its last message was read: a refusal must then wait for no more (none would come)."""
         chunks, size = [], 0
         while True:
             message = await self._receive(receive)
@@ -230,8 +204,7 @@ async def prometheus_metrics(http: Request):
 
 @functools.lru_cache(maxsize=4)
 def vocabulary_bytes(tokenizer) -> list[bytes]:
-    """Each token id's own bytes, as xgrammar reads them from a tokenizer's vocabulary (byte-level
-    BPE, sentencepiece with byte fallback, ...); built once per tokenizer."""
+    """Each token id's own bytes, as xgrammar reads them from a tokenizer's vocabulary (any encoding)."""
     return import_xgrammar().TokenizerInfo.from_huggingface(tokenizer).decoded_vocab
 
 
@@ -264,8 +237,7 @@ async def model(model_id: str, http: Request):
 
 
 def body_of(model: type[SamplingRequest]) -> dict:
-    """The OpenAPI description of an endpoint whose body is `model` (parsed by parse_body, not by
-    FastAPI): its schema and every error it can answer."""
+    """The OpenAPI description of an endpoint whose body (parsed by parse_body, not FastAPI) is `model`."""
     return {"openapi_extra": {"requestBody": {"required": True, "content": {
         "application/json": {"schema": inline_schema(model)}}}}, "responses": ERRORS}
 
@@ -294,14 +266,13 @@ async def chat_completions(http: Request):
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
               metrics: ServingMetrics | None, max_request_bytes: int, tool_call_parser: str = "hermes",
               reasoning_parser: str | None = None) -> Gate:
-    """What to serve: the FastAPI app (`.app`) serving `engine` under the name
-    `served_model_name`, the endpoints above with what they serve in app.state, behind its Gate."""
+    """The FastAPI app (`.app`) serving `engine` as `served_model_name`, behind its Gate."""
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
     app.state.engine, app.state.served_model_name, app.state.metrics = engine, served_model_name, metrics
     app.state.tool_parser = TOOL_PARSERS[tool_call_parser]()
     app.state.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
-    for error, handler in ERROR_HANDLERS.items():
-        app.add_exception_handler(error, handler)
+    for error in HANDLED_ERRORS:
+        app.add_exception_handler(error, error_response)
     app.include_router(public)
     app.include_router(v1)
     return Gate(app, api_key, max_request_bytes)
@@ -309,11 +280,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
 
 # ---- one API call -------------------------------------------------------------------------------
 async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, num_logprobs: int | None) -> list:
-    """Tokenize the call's prompts (on the tokenizer threads), compile its grammar (on the grammar
-    threads), give each prompt its completion limit, and queue them together, all or none. Each
-    refusal is a BadRequest naming the field, or (QueueFull, ShuttingDown, EngineDead) one that
-    until_disconnected answers with a 503. A caller that goes away meanwhile (this coroutine
-    cancelled) queues nothing, and its compile is dropped if it has not started."""
+    """Tokenize the prompts, compile the grammar (each on its threads), limit each completion, and queue them, all
+    or none (nothing if cancelled); a refusal is a BadRequest naming the field, or a 503 (until_disconnected)."""
     try:
         engine.check_open()  # (before tokenizing for nothing)
         params = await sampling_params(engine, body, num_logprobs)
@@ -330,8 +298,7 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
         await engine.compile_grammar(params)  # (off the engine's thread: it finds the grammar in its cache)
     except ValueError as e:
         raise (body.bad_request(e) if "SamplingParams." in str(e) else BadRequest(str(e), body.structured_field)) from e
-    max_model_len = engine.llm.config.max_model_len
-    params = [with_limit(params, len(ids), body, max_model_len) for ids in prompt_ids]
+    params = [with_limit(params, len(ids), body, engine.llm.config.max_model_len) for ids in prompt_ids]
     try:
         return engine.submit_all(prompt_ids, params, body.stream)
     except TooLarge as e:
@@ -341,8 +308,7 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
 
 
 async def sampling_params(engine: AsyncEngine, body: SamplingRequest, num_logprobs: int | None):
-    """The call's SamplingParams. A required tool call's grammar is built from its tools' schemas,
-    which xgrammar takes seconds over when they nest deeply: on a grammar thread, timed as a compile."""
+    """The call's SamplingParams; a required tool call's grammar (slow for deep schemas): on a grammar thread."""
     if not body.requires_tool_call():
         return body.sampling_params(num_logprobs)
     job = grammar_threads().submit(body.sampling_params, num_logprobs)
@@ -355,8 +321,7 @@ async def sampling_params(engine: AsyncEngine, body: SamplingRequest, num_logpro
 
 
 def with_limit(params, num_prompt_tokens: int, body: SamplingRequest, max_model_len: int):
-    """params with the completion limit of a prompt this long: the request's own, which must fit
-    in max_model_len with the prompt, or else what the prompt leaves of it."""
+    """params with the request's completion limit (fitting in max_model_len), or what the prompt leaves."""
     limit, room = body.completion_limit(), max_model_len - num_prompt_tokens
     prompt, field = body.prompt_field, body.max_tokens_field
     if room < 1:
@@ -383,9 +348,7 @@ def unavailable(e: Exception) -> APIError:
 
 async def respond(http: Request, body: SamplingRequest, prompts: list, num_logprobs: int | None,
                   choices: "type[Choices] | functools.partial"):
-    """Submit the call's prompts and answer with their choices: a whole response, or a stream. A
-    client that disconnects before its answer starts gets none (its requests are aborted; a
-    compile not started yet is dropped)."""
+    """Submit the call's prompts and answer with their choices, whole or streamed (none if the client left)."""
     engine, name = http.app.state.engine, http.app.state.served_model_name
     check_model(body.model, name)
     try:
@@ -413,8 +376,7 @@ class ClientGone(Exception):
 
 
 async def until_disconnected(http: Request, work):
-    """Run the coroutine `work` and return its result; if the client disconnects first, cancel it
-    and raise ClientGone. An engine that cannot take or finish the call is a 503 (unavailable)."""
+    """`work`'s result; ClientGone (work cancelled) if the client leaves first; a 503 if the engine cannot serve."""
     task = asyncio.ensure_future(work)
 
     async def disconnected():
@@ -438,9 +400,7 @@ async def until_disconnected(http: Request, work):
 
 
 async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
-    """Server-sent events, one `data:` line per JSON object, ending with `data: [DONE]`; a stream
-    that cannot finish (shutdown, a failed engine) ends with an event {"error": {...}} and then
-    `data: [DONE]`. on_close runs however it ends (a client that went away cancels this generator)."""
+    """Server-sent events, one `data:` line per JSON object, then `data: [DONE]`; on_close runs however it ends."""
     try:
         try:
             async for event in events:
@@ -457,9 +417,7 @@ async def sse(events: AsyncIterator[dict], on_close) -> AsyncIterator[str]:
 
 
 class Choices:
-    """The choices of one call, n per prompt (choice index = prompt * n + sample), and what the two
-    endpoints' responses share: the id, the usage, and the loops over the engine's updates that
-    collect or stream them. CompletionChoices and ChatChoices give the choices their shape."""
+    """The choices of one call, n per prompt (index = prompt * n + sample); subclasses give them their shape."""
     id_prefix: str     # of the response's id
     object: str        # of the whole response
     chunk_object: str  # of each streamed chunk
@@ -486,8 +444,7 @@ class Choices:
 
     def stream_piece(self, c: int, text: str, finished: bool, finish_reason: str | None
                      ) -> tuple[str, dict, str | None]:
-        """What of choice c's new text to stream now, more delta fields, and its finish reason
-        (chat with tools holds back text that may be a tool call)."""
+        """What of choice c's new text to stream now, more delta fields, and its finish reason."""
         return text, {}, finish_reason
 
     def delta(self, text: str) -> dict:
@@ -501,19 +458,17 @@ class Choices:
     # ---- what both share ----------------------------------------------------------------------
     def _token(self, token_id: int) -> str:
         """A token's text (memoized: echo's logprobs name the same tokens over and over)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
-            self._token_texts[token_id] = text
-        return text
+        if token_id not in self._token_texts:
+            self._token_texts[token_id] = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                                           else f"token_id:{token_id}")
+        return self._token_texts[token_id]
 
     def _bytes(self, token_id: int) -> list[int]:
         """The token's own bytes (a token holding part of a UTF-8 character decodes to U+FFFD)."""
         return list(token_bytes(self.tokenizer, token_id)) if self.tokenizer is not None else []
 
     def _ranked(self, token_ids: list[int], entries: list[dict], k: int) -> list[tuple[str, float, list]]:
-        """(token text, its logprob, the k most likely (token id, logprob)) of each token (None,
-        None for a prompt's first token, which has no logprob: echo)."""
+        """(token text, logprob, the k most likely (token id, logprob)) per token; (text, None, None): echo's first."""
         return [(self._token(token_id), entry[token_id], sorted(entry.items(), key=lambda item: -item[1])[:k])
                 if entry is not None else (self._token(token_id), None, None)
                 for token_id, entry in zip(token_ids, entries)]
@@ -528,8 +483,7 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _updates(self) -> AsyncIterator[tuple[int, dict]]:
-        """The engine's updates of these requests. Only shutdown aborts a request that somebody
-        still reads (a client that went away reads nothing): that ends the response with a 503."""
+        """The engine's updates of these requests. Only shutdown aborts a request still read: a 503."""
         async for i, update in updates(self.requests):
             if update.get("finish_reason") == "abort":
                 raise shutting_down()
@@ -540,13 +494,9 @@ class Choices:
             yield i, update
 
     async def collect(self) -> JSONResponse:
-        """Wait for every choice; the whole response, assembled and encoded on a worker thread (echo
-        with logprobs makes megabytes of it, which the event loop must not wait for)."""
-        texts: dict[int, list[str]] = {}
-        ids: dict[int, list[int]] = {}
-        entries: dict[int, list[dict]] = {}
-        finals: dict[int, dict] = {}
-        prompt_entries: dict[int, list] = {}  # per request: its prompt logprobs (echo)
+        """The whole response, built and encoded on a worker thread: echo's logprobs make megabytes of it."""
+        texts, ids, entries, finals = {}, {}, {}, {}  # per choice: its text pieces, tokens, logprobs, end
+        prompt_entries = {}  # per request: its prompt logprobs (echo)
         async for i, update in self._updates():
             c = i * self.n + update["sample"]
             texts.setdefault(c, []).append(update["text"] or "")
@@ -572,19 +522,13 @@ class Choices:
                              "choices": choices, "usage": self.usage(finals)})
 
     async def stream(self) -> AsyncIterator[dict]:
-        """The response as chunks: the opening chunk if any, then text deltas; the last chunk of a
-        choice has its finish_reason; usage last when stream_options asks."""
+        """The response as chunks: the opening chunk if any, text deltas, usage last if stream_options asks."""
         include_usage = self.body.stream_options is not None and self.body.stream_options.include_usage
-        lengths: dict[int, int] = {}  # characters sent per choice (completions' text_offset)
-        num_tokens: dict[int, int] = {}
-        finals: dict[int, dict] = {}
+        lengths, num_tokens, finals = {}, {}, {}  # per choice: characters sent (text_offset), tokens, end
 
         def chunk(choices: list[dict]) -> dict:
-            out = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                   "choices": choices}
-            if include_usage:
-                out["usage"] = None
-            return out
+            return {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                    "choices": choices, **({"usage": None} if include_usage else {})}
 
         if opening := self.opening():
             yield chunk(opening)
@@ -638,8 +582,7 @@ class CompletionChoices(Choices):
                 "top_logprobs": [self._top(top) if top is not None else None for _, _, top in ranked]}
 
     def _top(self, top: list[tuple[int, float]]) -> dict[str, float]:
-        """{token text: logprob} of the most likely tokens; a token whose text another one holds
-        already is keyed by its id instead ("token_id:N", vLLM's form), so none merge."""
+        """{token text: logprob} of the most likely tokens, a repeated text keyed "token_id:N" (vLLM's)."""
         entries = {}
         for token_id, logprob in top:
             text = self._token(token_id)
@@ -654,8 +597,7 @@ class CompletionChoices(Choices):
 
 
 class ChatChoices(Choices):
-    """/v1/chat/completions: each choice's assistant `message`, streamed as deltas after a chunk
-    that gives every choice its role; logprobs as a `content` list."""
+    """/v1/chat/completions: each choice's assistant `message`, streamed after a chunk giving each its role."""
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     body: ChatCompletionRequest
 
@@ -683,9 +625,7 @@ class ChatChoices(Choices):
         return {"delta": delta}
 
     def final(self, text: str, finish_reason: str) -> tuple[dict, str]:
-        """With --reasoning-parser, the reasoning goes to the message's reasoning_content; with
-        tools (tool_choice not "none"), the calls the tool parser finds in the rest become its
-        tool_calls, and a completion that ended there finishes with "tool_calls"."""
+        """The message, with reasoning_content (--reasoning-parser) and tool_calls (finishing "tool_calls") parsed."""
         message = {"role": "assistant", "content": text}
         if self.reasoning_parser is not None:
             message["reasoning_content"], message["content"] = self.reasoning_parser.split(
@@ -699,9 +639,8 @@ class ChatChoices(Choices):
 
     def stream_piece(self, c: int, text: str, finished: bool, finish_reason: str | None
                      ) -> tuple[str, dict, str | None]:
-        """With --reasoning-parser, the reasoning streams as `reasoning_content` deltas (see
-        ReasoningStream). With tools, the content streams up to where a tool call may begin (the
-        parser's held_back); the rest waits for the end, then comes as content and `tool_calls`."""
+        """The reasoning (--reasoning-parser) streams as `reasoning_content` deltas; with tools, the content
+        streams up to where a call may begin, the rest comes at the end as content and `tool_calls`."""
         extra = {}
         if self.reasoning_parser is not None:
             split = self._reasoning.setdefault(c, ReasoningStream(self.reasoning_parser, self.body.reasoning_started))
@@ -726,18 +665,15 @@ class ChatChoices(Choices):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server in front of one engine and its Gate, which it tells when a signal asks it
-    to stop."""
+    """uvicorn's server in front of one engine and its Gate, which it tells when a signal asks to stop."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: Gate, banner: str):
         super().__init__(config)
         self.engine, self.gate, self.banner = engine, gate, banner
 
     def handle_exit(self, sig, frame):
-        """A signal is a request to stop: refuse new requests and end every one in flight at once
-        (each client gets its 503 or its stream's error event), so the graceful shutdown has
-        nothing to wait for but uploads given SHUTDOWN_GRACE; and do not re-raise the signal
-        afterwards (uvicorn would, ending us with its status)."""
+        """End every request at once, so the graceful shutdown waits only for uploads given SHUTDOWN_GRACE;
+        and do not re-raise the signal afterwards (uvicorn would, ending us with its status)."""
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
         if self.gate.stopping is None:
@@ -751,8 +687,7 @@ class Server(uvicorn.Server):
 
 
 def serve(args) -> int:
-    """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, then answer or abort what
-    is in flight, stop the engine and return 0."""
+    """`nanovllm serve`: load the engine, serve until SIGINT or SIGTERM, stop; 0 (1: it never started)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # On CPU, leave a core to the event loop: torch's intra-op threads spin-wait, and fighting

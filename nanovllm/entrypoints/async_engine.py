@@ -3,18 +3,14 @@ coroutines submit requests and read their results, and the event loop never wait
 
 Three threads share the work, and none waits for another's slow part:
 - the event loop parses requests, answers them, and streams their results;
-- tokenizer threads render chat templates and tokenize prompts (`encode`): a 10 MB prompt takes
-  seconds there, without holding up a step or another request's stream (tokenizers releases the
-  GIL while it works), and with TOKENIZER_THREADS of them, without holding up every other
-  request's tokenizing either;
-- the engine thread queues, aborts and steps: the engine itself stays single-threaded.
-Coroutines talk to the engine thread through a thread-safe command queue; results flow back to
-each request's own asyncio queue, a step's worth at a time.
+- TOKENIZER_THREADS threads render chat templates and tokenize prompts (`encode`): a 10 MB prompt takes
+  seconds there, holding up no step, stream or other prompt (tokenizers releases the GIL as it works);
+- the engine thread takes commands from a thread-safe queue, steps the engine (single-threaded), and
+  sends each call's asyncio queue its results, a step's worth at a time.
 
-Admission is fair across calls: the engine thread holds a call's requests and hands them to the
-engine one call at a time in turn (round robin), keeping no more than max_num_seqs sequences
-waiting in the engine, so one call of 100 prompts x n=128 cannot push every later call back by
-its whole length. The engine's own queue is first come, first served.
+Admission is fair across calls: the engine thread holds a call's requests and hands them to the engine
+one call at a time in turn (round robin), keeping at most max_num_seqs sequences waiting in the engine
+(first come, first served there), so one call of 100 prompts x n=128 cannot push every later call back.
 """
 import asyncio
 import dataclasses
@@ -62,8 +58,7 @@ class EngineDead(Exception):
 
 @dataclasses.dataclass
 class ChatPrompt:
-    """Chat messages and the tools offered with them, to render with the chat template (and more
-    of its variables: template_kwargs)."""
+    """Chat messages and the tools offered with them, to render with the chat template (and template_kwargs)."""
     messages: list[dict]
     tools: list[dict] | None = None
     template_kwargs: dict | None = None
@@ -71,8 +66,7 @@ class ChatPrompt:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One prompt of a call, tokenized and checked, with its sampling parameters. Its updates
-    arrive in `queue` as (request, update) pairs: the requests of one call share a queue."""
+    """One prompt of a call, checked, with its parameters; its updates come as (request, update) in the call's queue."""
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
@@ -81,8 +75,7 @@ class Request:
     samples: list[Sequence] = dataclasses.field(default_factory=list)  # the engine thread's, once added
 
     def fail(self, error: BaseException):
-        """From the engine thread: the reader gets the error. (Updates go through
-        AsyncEngine._flush, a step's worth at a time.)"""
+        """From the engine thread: the reader gets the error (updates go through AsyncEngine._flush)."""
         _call_soon(self.loop, self.queue.put_nowait, (self, error))
 
 
@@ -126,9 +119,7 @@ Command = Add | Abort | AbortAll | Stop
 
 
 async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
-    """(i, update) for the updates of requests[i] (LLMEngine.stream_update's dicts), as they come,
-    until every sample of every request has finished. The requests share one queue. A failure of
-    the engine is raised here."""
+    """(i, update) for requests[i]'s updates (stream_update's dicts) until every sample ends; raises engine failures."""
     index = {id(request): i for i, request in enumerate(requests)}
     left = sum(request.params.n for request in requests)
     queue = requests[0].queue
@@ -141,18 +132,13 @@ async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
 
 
 class AsyncEngine:
-    """Runs `llm` on a thread of its own. `encode()` tokenizes a prompt on a tokenizer thread;
-    `submit_all()` queues a call's prompts; `updates()` yields their results; `abort()` ends one (a
-    client that went away); `close()` refuses new calls and aborts the rest. `stats` is a snapshot
-    of the engine's queues and KV usage, refreshed every step. max_queued_requests caps the
-    sequences waiting (each prompt counts n times), held ones included."""
+    """Runs `llm` on a thread of its own; `stats`: the engine's queues and KV usage, refreshed every step.
+    max_queued_requests caps the sequences waiting (each prompt counts n times), held ones included."""
 
     def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
-        self.llm = llm
-        self.max_queued_requests = max_queued_requests
-        self.metrics = metrics
+        self.llm, self.max_queued_requests, self.metrics = llm, max_queued_requests, metrics
         self.error: BaseException | None = None
         self.closing = False  # close() was called: new calls are refused
         self.grammar_timeout_s = COMPILE_TIMEOUT_S  # (a request's own compile; see grammar_job)
@@ -171,9 +157,8 @@ class AsyncEngine:
 
     # ---- the asyncio side ---------------------------------------------------------------------
     async def encode(self, prompt) -> list[int]:
-        """A prompt as validated token ids, worked out on a tokenizer thread: a string, token
-        ids, or a ChatPrompt (rendered with the chat template). Raises the engine's
-        ValueError/TypeError naming what is wrong."""
+        """A prompt (a string, token ids, or a ChatPrompt) as checked token ids, on a tokenizer thread; a
+        ValueError/TypeError names what is wrong."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self._encode, prompt)
 
     def _encode(self, prompt) -> list[int]:
@@ -183,12 +168,9 @@ class AsyncEngine:
 
     def submit_all(self, prompt_token_ids: list[list[int]], params: list[SamplingParams],
                    stream: bool = False) -> list[Request]:
-        """Check and queue the prompts of one call (token ids, from encode()) with their
-        parameters, all of them or none; their updates then arrive in one shared queue (see
-        `updates()`). stream: updates as tokens come (else one per sample, at its end). Raises the
-        engine's ValueError/TypeError for a bad request, TooLarge for more sequences than
-        max_queued_requests, QueueFull while that many wait already, ShuttingDown after close(),
-        EngineDead when the engine has failed."""
+        """Check and queue the prompts of one call (token ids, from encode()), all or none; read their
+        updates with `updates()`. stream: updates as tokens come (else one per sample, at its end). Raises
+        the engine's ValueError/TypeError for a bad request, or TooLarge, QueueFull, ShuttingDown, EngineDead."""
         for ids, p in zip(prompt_token_ids, params, strict=True):
             self.llm.check_request(len(ids), p)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -212,19 +194,16 @@ class AsyncEngine:
         return self.submit_all([await self.encode(prompt)], [params], stream)[0]
 
     async def compile_grammar(self, params: SamplingParams):
-        """Compile params' structured_outputs on a grammar thread (a cache hit: at once), for the
-        engine to find in its cache when the request is added: a ValueError names a constraint
-        that does not compile, takes too long, or that allowed_token_ids leaves no first token."""
+        """Compile params' structured_outputs on a grammar thread, for the engine to find in its cache: a
+        ValueError names a constraint that does not compile, takes too long, or has no allowed first token."""
         if params.structured_outputs is not None:
             job = self.llm.grammar_compiler().submit(params.structured_outputs)
             compiled = await self.grammar_job(job, f"structured_outputs.{params.structured_outputs.kind}: compiling it")
             self.llm.grammars.check_first_token(params, compiled)
 
     async def grammar_job(self, job: Future, what: str):
-        """A grammar thread's job, awaited (structured_outputs.GrammarThreads): a ValueError ("{what}
-        took over ...") once its own run, not its wait in the queue, passes grammar_timeout_s;
-        ShuttingDown once close() is called. A caller that goes away (this coroutine cancelled:
-        its client disconnected) drops the job if it has not started."""
+        """A grammar thread's job, awaited: a ValueError ("{what} took over ...") once its run (not its wait
+        in the queue) passes grammar_timeout_s; ShuttingDown after close(). Cancelled, it drops a job not started."""
         waiter = asyncio.wrap_future(job)
         try:
             while True:
@@ -253,8 +232,7 @@ class AsyncEngine:
         self._commands.put(AbortAll())
 
     def close(self):
-        """Refuse every later call (ShuttingDown) and abort every one in flight (any thread).
-        Under the lock, so a call is either queued before the abort (and ends with it) or refused."""
+        """Refuse later calls and abort those in flight (any thread; locked: a call is queued first, or refused)."""
         with self._lock:
             self.closing = True
             self._commands.put(AbortAll())
@@ -329,10 +307,8 @@ class AsyncEngine:
                 self._abort_all()
 
     def _feed(self):
-        """Hand held requests to the engine, one call's next request at a time, calls in turn,
-        while fewer than max_num_seqs sequences wait in the engine: as many as a step could admit,
-        so the engine never runs short, and a later call waits behind at most that many. Returns
-        whether it fed any."""
+        """Hand held requests to the engine, calls in turn, while fewer than max_num_seqs wait in it: as many
+        as a step could admit, so it never runs short and a later call waits behind at most that many."""
         room = self.llm.config.max_num_seqs - self.llm.stats()["num_waiting"]
         fed = False
         while self._held and room > 0:
@@ -377,8 +353,7 @@ class AsyncEngine:
                 self.llm.abort(seq)
 
     def _abort_all(self):
-        """Abort every request and send each one's samples their last update. A held request is
-        added first, so it ends the way every other does."""
+        """Abort every request, sending each sample its last update (a held one is added first, to end alike)."""
         while self._held:
             for request in self._held.popleft():
                 self._add(request)

@@ -1,8 +1,7 @@
 """`nanovllm chat MODEL`: an interactive chat in the terminal, with the engine in this process.
 
-Each turn renders the whole conversation with the tokenizer's chat template and streams the reply
-token by token. The conversation so far is the new prompt's prefix, so its KV blocks come from
-the prefix cache: the line after each reply says how many prompt tokens were served from it.
+Each turn renders the whole conversation with the chat template and streams the reply. The conversation
+so far is the new prompt's prefix, served from the prefix cache: the line after each reply says how much.
 """
 import dataclasses
 import sys

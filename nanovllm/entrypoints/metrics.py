@@ -1,15 +1,11 @@
-"""Prometheus metrics of a serving engine, named as vLLM names its own (prefix `nanovllm:`).
-
-Gauges are set from the engine thread's snapshot after each step; counters and histograms are fed
-by the engine thread as it steps (prometheus-client is thread-safe).
-"""
+"""Prometheus metrics of a serving engine, named as vLLM names its own (prefix `nanovllm:`), all set or
+fed by the engine thread as it steps (prometheus-client is thread-safe)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nanovllm.engine.sequence import Sequence
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
-
 
 # Gauges set from the engine thread's snapshot (AsyncEngine.stats): its key -> (metric name, help).
 GAUGES = {
@@ -77,8 +73,7 @@ class ServingMetrics:
         self.e2e.observe(m["finish_time"] - m["arrival_time"])
 
     def stepped(self, stats: dict):
-        """After a step: the gauges from the engine thread's snapshot (AsyncEngine.stats), the
-        counters from the engine's cumulative counts in it."""
+        """After a step: the gauges and counters from the engine thread's snapshot (AsyncEngine.stats)."""
         for key, gauge in self.gauges.items():
             gauge.set(stats[key])
         self.host_usage.set(stats["num_host_blocks_used"] / max(1, stats["num_host_blocks"]))

@@ -1,12 +1,9 @@
-"""The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a
-body is parsed (`parse_body`: JSON, checked strictly, every mistake a BadRequest naming the
-field) and how it becomes SamplingParams. A field the server does not support (suffix,
-best_of, functions, ...) is a 400 naming it, never silently ignored; chat messages may carry any field
-(name, tool_calls, ...): they are passed on to the chat template. `response_format` (OpenAI's)
-and `structured_outputs` (vLLM's) constrain the output (SamplingParams.structured_outputs).
-
-Types are strict, as the API's schema says: `"max_tokens": "5"` or a token id `false` is refused,
-not coerced (an int where a float is expected is fine).
+"""The request bodies of the OpenAI API that the server takes (with vLLM's sampling extras): how a body
+is parsed (`parse_body`: every mistake a BadRequest naming the field) and how it becomes SamplingParams.
+A field the server does not support (suffix, best_of, functions, ...) is a 400 naming it, never silently
+ignored; chat messages may carry any field (name, tool_calls, ...), passed on to the chat template.
+Types are strict, as the API's schema says: `"max_tokens": "5"` or a token id `false` is refused, not
+coerced (an int where a float is expected is fine).
 """
 import dataclasses
 import json
@@ -23,15 +20,13 @@ from nanovllm.features.structured_params import StructuredOutputsParams
 from nanovllm.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs (and vLLM's default max_logprobs)
-# Stop strings are searched for in every sequence's new text at every step (on the engine thread):
-# their number and length bound that work. OpenAI takes 4, vLLM 4 by default (VLLM_MAX_STOP_STRINGS);
-# 16 leaves room for lm-eval's longer `until` lists.
+# Stop strings are searched for in every sequence's new text at every step (on the engine thread). OpenAI
+# takes 4, vLLM 4 by default (VLLM_MAX_STOP_STRINGS); 16 leaves room for lm-eval's longer `until` lists.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_N = 128        # completions per prompt, as OpenAI allows: each is a sequence the engine runs
-# The prompt logprobs one call's echo may return: prompt tokens x choices x (logprobs + 1), ~7 MB of
-# JSON at 2**18 (each choice repeats its prompt's). lm-eval's loglikelihood requests (n 1, logprobs
-# 0 or 1) stay far below it for any prompt that fits a context; 1,000 tokens x n 128 x 21 do not.
+# The prompt logprobs one call's echo may return (prompt tokens x n x (logprobs + 1)): ~7 MB of JSON.
+# lm-eval's loglikelihood requests (n 1, logprobs 0 or 1) stay far below it; 1,000 tokens x n 128 x 21 do not.
 MAX_ECHO_LOGPROBS = 2**18
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
@@ -131,12 +126,10 @@ class SamplingRequest(BaseModel):
 
     @property
     def reasoning_started(self) -> bool:
-        """Whether the rendered prompt opened a reasoning block (for_prompts)."""
         return self._reasoning_started
 
     def completion_limit(self) -> int | None:
-        """The most tokens to generate per sample, as the request says (None: what the prompt
-        leaves of max_model_len)."""
+        """The most tokens to generate per sample (None: what the prompt leaves of max_model_len)."""
         return self.max_tokens
 
     def prompt_logprobs(self) -> int | None:
@@ -144,9 +137,7 @@ class SamplingRequest(BaseModel):
         return None
 
     def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
-        """SamplingParams of this request (without a completion limit, max_tokens is a placeholder
-        the server replaces by what the prompt leaves of the context). Bad values are a
-        BadRequest naming the field."""
+        """SamplingParams of this request (no completion limit: max_tokens is a placeholder the server replaces)."""
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
         max_tokens = self.completion_limit()
@@ -188,17 +179,16 @@ class SamplingRequest(BaseModel):
         return params
 
     def requires_tool_call(self) -> bool:
-        """Whether the output must be a tool call (chat's tool_choice "required" or a function):
-        sampling_params() then builds the call's grammar from the tools' schemas."""
+        """Whether the output must be a tool call (chat's tool_choice "required" or a function)."""
         return False
 
     @property
     def structured_field(self) -> str:
-        """The field the request's output constraint came in (for errors)."""
+        """The field the output constraint came in (for errors)."""
         return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     def structured_constraint(self) -> StructuredOutputsParams | None:
-        """response_format or structured_outputs as StructuredOutputsParams (None: free text)."""
+        """response_format (OpenAI's) or structured_outputs (vLLM's) as StructuredOutputsParams (None: free text)."""
         fmt, extra = self.response_format, self.structured_outputs
         if fmt is not None and extra is not None and fmt.type != "text":
             raise BadRequest("give response_format or structured_outputs, not both", "structured_outputs")
@@ -220,13 +210,11 @@ class SamplingRequest(BaseModel):
                              self.structured_field) from e
 
     def bad_request(self, error: Exception) -> BadRequest:
-        """The engine's or SamplingParams' error as a BadRequest naming this endpoint's field: they
-        name a parameter as `SamplingParams.<name>`."""
+        """The engine's or SamplingParams' error (naming `SamplingParams.<name>`) as this endpoint's BadRequest."""
         message, param = str(error), None
         named = re.search(r"SamplingParams\.(\w+)", message)
         if named is not None:
-            param = named.group(1)
-            message = message.replace("SamplingParams.", "")
+            param, message = named.group(1), message.replace("SamplingParams.", "")
         if param == "max_tokens" and self.max_tokens_field != "max_tokens":
             param, message = self.max_tokens_field, message.replace("max_tokens", self.max_tokens_field)
         return BadRequest(message, param)
@@ -256,8 +244,7 @@ class CompletionRequest(SamplingRequest):
 
     @property
     def echo_only(self) -> bool:
-        """echo with max_tokens 0 (as lm-eval's loglikelihood requests may send): the prompt alone
-        (the engine generates one token, which the response leaves out)."""
+        """echo with max_tokens 0 (lm-eval's loglikelihood): the prompt alone (the token generated is left out)."""
         return self.echo and self.max_tokens == 0
 
     def completion_limit(self) -> int | None:
@@ -295,9 +282,8 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def as_template_input(self) -> dict:
-        """The message as a chat template takes it: content parts of type "text" joined, and an
-        assistant's tool calls with their arguments as objects (the API sends JSON text; the
-        templates, as transformers documents them, take a dict)."""
+        """The message as a chat template takes it: text content parts joined, and tool calls' arguments
+        as objects (the API sends JSON text; the templates, as transformers documents them, take a dict)."""
         message = self.model_dump(exclude_none=True)
         for call in message.get("tool_calls") or []:
             function = call.get("function") if isinstance(call, dict) else None
@@ -307,12 +293,10 @@ class ChatMessage(BaseModel):
                 except json.JSONDecodeError:
                     pass  # (left as the text it is)
         if isinstance(self.content, list):
-            parts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}", "messages")
-                parts.append(part["text"])
-            message["content"] = "".join(parts)
+            message["content"] = "".join(part["text"] for part in self.content)
         return message
 
 
@@ -354,7 +338,7 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_field: ClassVar[str] = "messages"
 
     def tool_definitions(self) -> list[dict] | None:
-        """The tools as the chat template takes them (OpenAI's shape), None without."""
+        """The tools as the chat template takes them (OpenAI's shape)."""
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def calls_tools(self) -> bool:
@@ -365,12 +349,11 @@ class ChatCompletionRequest(SamplingRequest):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def structured_constraint(self) -> StructuredOutputsParams | None:
-        """A call that tool_choice requires ("required", or a named function) is enforced by the
-        parser's grammar; otherwise response_format / structured_outputs as for completions."""
+        """A required tool call is enforced by the tool parser's grammar; else as for completions."""
         choice = self.tool_choice
         if choice is not None and not self.tools:
             raise BadRequest("tool_choice needs tools", "tool_choice")
-        if choice == "required" or isinstance(choice, NamedToolChoice):
+        if self.requires_tool_call():
             if (self.response_format is not None and self.response_format.type != "text") or self.structured_outputs:
                 raise BadRequest("a required tool call cannot be combined with response_format or "
                                  "structured_outputs", "tool_choice")
@@ -397,9 +380,7 @@ class ChatCompletionRequest(SamplingRequest):
         return super().structured_constraint()
 
     def for_prompts(self, params: SamplingParams, prompt_token_ids: list[list[int]], tokenizer) -> SamplingParams:
-        """With --reasoning-parser: whether the template opened a reasoning block at the end of the
-        prompt, so that the completion begins inside it (noted for the parser; a constraint then
-        holds after the block's end)."""
+        """With --reasoning-parser: whether the template opened a reasoning block (a constraint holds after it)."""
         parser = self._reasoning_parser
         if parser is None or tokenizer is None:
             return params
@@ -438,10 +419,8 @@ class ErrorResponse(BaseModel):
 
 # ---- parsing a body -----------------------------------------------------------------------------
 def parse_body(raw: bytes, content_type: str | None, model: type[SamplingRequest]) -> SamplingRequest:
-    """The request `model` that a body holds, or a BadRequest saying what is wrong with it: a
-    media type that is not JSON (415), bytes that are not UTF-8 JSON, JSON nested too deep for
-    the parser, a string that is not valid Unicode (a lone surrogate such as "\\ud800", which
-    could not even be written back in an error message), a field of the wrong type or value."""
+    """The request `model` that a body holds, or a BadRequest saying what is wrong: not JSON (415), not
+    UTF-8, nested too deep, a lone surrogate such as "\\ud800" (not even printable in an error), a bad field."""
     media_type = (content_type or "application/json").split(";", 1)[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise BadRequest(f"the body must be JSON (Content-Type: application/json), got {media_type!r}", status=415)
@@ -476,8 +455,7 @@ def _refuse_constant(name: str):
 
 
 def _lone_surrogate(data) -> str | None:
-    """The path (`messages.0.content`) of the first string, key or value, holding a lone
-    surrogate, if any. Iterative: the parser allows deeper nesting than Python's stack."""
+    """The path (`messages.0.content`) of the first string or key with a lone surrogate; iterative: JSON nests deep."""
     stack = [("", data)]
     while stack:
         path, value = stack.pop()
@@ -502,8 +480,7 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _too_deep_field(raw: bytes) -> str | None:
-    """The top-level field whose value nests too deeply for json.loads (None if the body is not
-    an object of fields): the fields are decoded one at a time, until one raises RecursionError."""
+    """The top-level field that nests too deeply for json.loads (None: not found), decoding one at a time."""
     decoder, text = json.JSONDecoder(), raw.decode("utf-8", errors="replace")
     space = re.compile(r"\s*")
     try:
@@ -522,8 +499,7 @@ def _too_deep_field(raw: bytes) -> str | None:
 
 
 def inline_schema(model: type[BaseModel]) -> dict:
-    """The model's JSON schema with its definitions written in place, for the OpenAPI document
-    (whose references would otherwise point into the wrong document)."""
+    """The model's JSON schema with its $defs inlined, for the OpenAPI document (its $refs would point elsewhere)."""
     schema = model.model_json_schema()
     definitions = schema.pop("$defs", {})
 

@@ -5,9 +5,6 @@ vLLM's --tool-call-parser; `hermes` is the one Qwen2.5 and Qwen3 templates teach
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
-
-A parser turns a finished completion into (content, calls) and, for streaming, says how much of
-a text so far is surely content (held_back: from the first place a call may start).
 """
 import json
 import re
@@ -35,25 +32,20 @@ class HermesToolParser:
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The text outside the calls, as written (None when nothing is left), and the calls, in
-        order. A block that is not a JSON object with a string `name` (and object `arguments`)
-        stays in the text."""
+        """The text outside the calls, as written (None when nothing is left), and the calls, in order."""
         calls, kept, last = [], [], 0
         for match in self.CALL.finditer(text):
-            call = self._call(match.group(1))
-            if call is None:
-                continue
-            calls.append(call)
-            kept.append(text[last:match.start()])
-            last = match.end()
+            if (call := self._call(match.group(1))) is not None:
+                calls.append(call)
+                kept.append(text[last:match.start()])
+                last = match.end()
         kept.append(text[last:])
         return ("".join(kept) if calls else text) or None, calls
 
     @staticmethod
     def _call(body: str) -> ToolCall | None:
-        """The call a block holds, or None when it holds none: whatever the model wrote, never an
-        exception (a block that does not parse stays in the text, as vLLM's hermes parser has it).
-        `arguments` may also be the object's JSON text, as OpenAI's API carries it."""
+        """The call a block holds: a JSON object with a string `name` and object `arguments` (or its JSON
+        text). Else None, never an exception: the block stays in the text, as in vLLM's hermes parser."""
         value = _json_or_none(body)
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
@@ -65,18 +57,14 @@ class HermesToolParser:
         return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
     def held_back(self, text: str) -> int:
-        """Where in text so far a call may begin (len(text): nowhere yet): the text before is
-        content for sure, the rest waits for the end (a call, or a prefix of the start tag)."""
+        """Where in text so far a call (or a prefix of its start tag) may begin; len(text): nowhere yet."""
         found = text.find(self.start)
         return found if found >= 0 else len(text) - cut_tag(text, self.start)
 
     def grammar(self, tools: list[dict], parallel: bool) -> str:
-        """EBNF for one call of one of these tools (OpenAI's {"name", "parameters"} functions), or
-        several one after another when parallel: the name one of theirs, the arguments valid
-        against its parameters' JSON schema. Each tool's parameters stand in the call schema's
-        $defs, their own $refs ("#/$defs/City", as pydantic writes) re-pointed there: xgrammar
-        resolves a $ref through objects only, not through the anyOf's list. A ValueError names the
-        tool whose parameters are not a schema a call can be held to (check_schema)."""
+        """EBNF for one call (several in a row when parallel) of one of these OpenAI {"name", "parameters"}
+        functions. Each one's parameters stand in the schema's $defs, their $refs ("#/$defs/City") re-pointed
+        there: xgrammar resolves a $ref through objects only, not anyOf's list. A ValueError names a bad tool."""
         for tool in tools:
             try:
                 check_schema(tool.get("parameters") or {"type": "object"})
