@@ -21,7 +21,7 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
+from nanovllm.engine.step_inputs import MAX_GRAPH_BATCH, graph_batch_sizes, padded_batch_size
 from nanovllm.features.recorder import StepRecorder
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.moe import FusedExperts

@@ -77,7 +77,7 @@ def test_triton_decode_graph_replay_equals_eager_bitwise():
     """One bf16 decode step through TritonBackend with Qwen3-0.6B's heads: eagerly (5 rows, a block
     table as wide as the longest context) and replayed from a graph captured the way DecodeGraphs
     captures (8 padded rows, a max_model_len-wide table). Both split the KV alike: the same bits."""
-    from nanovllm.engine.cuda_graphs import graph_batch_sizes, padded_batch_size
+    from nanovllm.engine.step_inputs import graph_batch_sizes, padded_batch_size
     from nanovllm.layers.backends.triton_attn import TritonBackend
     from nanovllm.utils.context import Context
     torch.manual_seed(0)

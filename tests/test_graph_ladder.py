@@ -5,7 +5,8 @@ import contextlib
 import pytest
 import torch
 
-from nanovllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.step_inputs import graph_batch_sizes, padded_batch_size
 from nanovllm.utils.context import get_context
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton attent
 
 from nanovllm.layers.backends import triton_attn  # noqa: E402
 from nanovllm.layers.backends.torch_ref import TorchBackend  # noqa: E402
-from nanovllm.engine.cuda_graphs import graph_batch_sizes, padded_batch_size  # noqa: E402
+from nanovllm.engine.step_inputs import graph_batch_sizes, padded_batch_size  # noqa: E402
 from nanovllm.layers.backends.triton_attn import (TritonBackend, context_num_splits, decode,  # noqa: E402
                                                   decode_num_splits)
 from nanovllm.utils.context import Context  # noqa: E402

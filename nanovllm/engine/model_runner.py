@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
-from nanovllm.engine.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, gather_inputs, graph_batch_sizes, padded_batch_size
+from nanovllm.engine.step_inputs import MAX_GRAPH_BATCH, gather_inputs, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
@@ -21,6 +21,7 @@ from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TPGroup, tensor_parallel
 
 if TYPE_CHECKING:
+    from nanovllm.engine.cuda_graphs import DecodeGraphs
     from nanovllm.layers.top_k_top_p import Redo
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,8 @@ class ModelRunner:
         """The decode steps' CUDA graphs, once the KV cache is bound."""
         self.graphs = self._capture_graphs() if self.use_graphs else None
 
-    def _capture_graphs(self, largest_only: bool = False, query_len: int = 1) -> DecodeGraphs:
+    def _capture_graphs(self, largest_only: bool = False, query_len: int = 1) -> "DecodeGraphs":
+        from nanovllm.engine.cuda_graphs import DecodeGraphs  # (CUDA's: loaded where graphs are captured)
         max_batch = self.graph_sizes[-1]
         return DecodeGraphs(self.model, self.token_table, self.block_tables, self.block_size, self.scratch_row,
                             max_batch, self.config.max_model_len, self.config.hf_config.hidden_size,
@@ -253,7 +255,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(used * GRAPH_MEMORY_MARGIN)
 
-    def _probe_graphs(self) -> list[DecodeGraphs]:
+    def _probe_graphs(self) -> list["DecodeGraphs"]:
         """The largest graph of each ladder the runner will capture (_graph_memory)."""
         return [self._capture_graphs(largest_only=True)]
 
@@ -367,7 +369,7 @@ class ModelRunner:
         if batch.samples.any():  # rank 0's _keep_sampled(): the tokens it drew, into this rank's table too
             self._keep_sampled(torch.empty(int(batch.samples.sum()), dtype=torch.int64, device=self.device), inputs)
 
-    def run(self, batch: StepBatch, model, graphs: DecodeGraphs | None
+    def run(self, batch: StepBatch, model, graphs: "DecodeGraphs | None"
             ) -> tuple[torch.Tensor | None, StepInputs | None]:
         """The forward of a step through model (the target, or the draft model with its graphs), and
         its logits on rank 0 when a sequence samples (else None). A step of no sequences: (None, None)."""
@@ -394,7 +396,7 @@ class ModelRunner:
         rows, positions = inputs.sampled_at
         self.token_table[rows, positions] = tokens.to(torch.int32)
 
-    def prepare(self, batch: StepBatch, graphs: DecodeGraphs | None) -> StepInputs | None:
+    def prepare(self, batch: StepBatch, graphs: "DecodeGraphs | None") -> StepInputs | None:
         """Lay a step out as flat tensors, the new tokens of all sequences back to back, with their
         attention metadata, writing its block-table entries and new rows' tokens on the way, all in
         one copy. graphs: those it may replay. A batch of no sequences only writes the tables (None)."""
@@ -416,7 +418,7 @@ class ModelRunner:
         return StepInputs(d["rows"], d["positions"], context, input_ids, layout.graph_size, layout.graphs,
                           d.get("num_new"), sampled_at)
 
-    def _layout(self, batch: StepBatch, graphs: DecodeGraphs | None) -> "StepLayout":
+    def _layout(self, batch: StepBatch, graphs: "DecodeGraphs | None") -> "StepLayout":
         """The host's part of prepare(): each new token's row and position, and attention's arrays."""
         num_seqs = batch.num_seqs
         starts, num_new = batch.starts.astype(np.int64), batch.num_new.astype(np.int64)  # [B]

@@ -13,7 +13,8 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.batch_state import SamplingInputs
-from nanovllm.engine.cuda_graphs import DecodeGraphs, padded_batch_size
+from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.engine.step_inputs import padded_batch_size
 from nanovllm.engine.model_runner import DeferredSampling, ModelRunner, StepLayout
 from nanovllm.utils.context import to_device
 from nanovllm.engine.step_batch import StepBatch
