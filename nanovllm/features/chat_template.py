@@ -17,10 +17,9 @@ def template_variables(template: str) -> frozenset[str]:
 
 def render_chat(tokenizer, model: str, messages: list[dict], tools: list[dict] | None,
                 template_kwargs: dict | None) -> str:
-    """Chat messages ({"role", "content"} dicts) as prompt text, through the tokenizer's chat
-    template, with the assistant's turn opened; tools (OpenAI's definitions) go to the template
-    too, which lists them for the model; template_kwargs are more of its variables (vLLM's
-    chat_template_kwargs, such as Qwen3's enable_thinking; check_template_kwargs)."""
+    """Chat messages ({"role", "content"} dicts) as prompt text through the tokenizer's chat
+    template, the assistant's turn opened; tools (OpenAI's definitions) go to the template too, and
+    template_kwargs (vLLM's chat_template_kwargs, such as Qwen3's enable_thinking) are its variables."""
     check_template_kwargs(tokenizer, model, template_kwargs or {})
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,

@@ -2,9 +2,8 @@
 
 A cached device block (published, no sequence holding it) that is about to be reused for other
 tokens is first copied here (write-back on eviction), so a later request with that prefix reloads
-it instead of recomputing it. Slots are evicted least recently used first. The copies themselves
-are HostCopies' (below), which the model runner runs before each step's forward as the step says
-(StepBatch.offloads / .reloads); HostTier only decides where things go.
+it instead of recomputing it. Slots are evicted least recently used first. HostTier decides where
+blocks go; HostCopies copies them, before each step's forward (StepBatch.offloads / .reloads).
 
 A host entry records what its K/V were computed from, as a device block does (block_manager.Block):
 its tokens, the id of its contents (uid) and of its parent's (parent_uid). A hit verifies its
@@ -28,9 +27,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 
 def check_options(config):
-    """Config's kv_offloading_size (GiB of host memory for the prefix cache's second tier, over
-    all ranks together) and preemption_mode, and what each needs (Config calls it when either is
-    not its default)."""
+    """Check Config's kv_offloading_size (GiB of host memory, all ranks together) and
+    preemption_mode, and what each needs (Config calls it when either is not its default)."""
     size = config.kv_offloading_size
     if isinstance(size, bool) or not isinstance(size, (int, float)):
         raise TypeError(f"kv_offloading_size must be a number of GiB (0: no host tier), got {size!r}")
@@ -134,12 +132,10 @@ class HostCopies:
     """The host tier's data on one rank, and the copies a step asks for before its forward.
 
     Host slots of whole KV blocks, laid out per block, [num_blocks, 2 (K/V), layers, block_size,
-    Hkv, D], so that one block of every layer is one contiguous run of bytes. A block then moves
-    in one copy (or a run of consecutive slots does) instead of 2 * layers small strided ones: the
-    device side is gathered into the same layout first, one kernel for all of a step's blocks.
-    The block manager picks the blocks (StepBatch.offloads / reloads); every rank moves its own
-    shard of them. kv_offloading_size GiB over all ranks: size / tp on each, the same count on
-    every rank (smallest_over_ranks)."""
+    Hkv, D], so that a block (or a run of consecutive slots) moves in one copy instead of 2 * layers
+    small strided ones; the device side is gathered into the same layout first, one kernel for all
+    of a step's blocks. Each rank moves its own shard: kv_offloading_size / tp GiB, the same number
+    of slots on every rank (smallest_over_ranks)."""
 
     def __init__(self, config, kv_cache: torch.Tensor, block_bytes: int, smallest_over_ranks):
         self.kv_cache, self.device = kv_cache, kv_cache.device  # [2, L, num_blocks + 1, bs, Hkv, D]
@@ -160,12 +156,11 @@ class HostCopies:
             self.cache = torch.empty(shape, dtype=config.kv_dtype)
 
     def copy(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
-        """A step's copies, on every rank before its forward: offloads [n, 2] (device block, host
-        slot), then reloads [m, 2] (host slot, device block). On CUDA they run on a stream of their
-        own, outside any CUDA graph, and the host does not wait: the copy stream first waits for
-        the compute stream, where earlier steps' forwards (queued, maybe not run yet) write the K/V
-        an offload reads and read the blocks a reload overwrites; the compute stream then waits
-        for the copies before this step's forward. On CPU the same copies run in order, at once."""
+        """A step's copies: offloads [n, 2] (device block, host slot), then reloads [m, 2] (host
+        slot, device block). On CUDA they run on a stream of their own, outside any CUDA graph, and
+        the host does not wait: the copy stream first waits for the compute stream, where earlier
+        steps' forwards (queued, maybe not run yet) write the K/V an offload reads and read the
+        blocks a reload overwrites; the compute stream then waits for the copies. On CPU: at once."""
         offloads = offloads if offloads is not None and len(offloads) else None
         reloads = reloads if reloads is not None and len(reloads) else None
         if offloads is None and reloads is None:
@@ -192,12 +187,10 @@ class HostCopies:
             self.counts[f"{name}_bytes"] += count * block_bytes
 
     def _move_blocks(self, offloads: np.ndarray | None, reloads: np.ndarray | None):
-        """The copies, on the current stream: one gather of the offloaded blocks on the device,
-        then one copy per run of consecutive slots to the host; then the reverse for the reloads;
-        both in chunks of at most COPY_STAGING_BYTES. The device tensors made here are allocated,
-        used and freed on this one stream, so the caching allocator hands their memory only to
-        work queued after them: they need no keeping alive (nor the pinned index buffers, which
-        to_device's allocator holds until their copies are done)."""
+        """The copies, on the current stream, COPY_STAGING_BYTES at a time. The device tensors made
+        here are allocated, used and freed on this one stream, so the caching allocator hands their
+        memory only to work queued after them: they need no keeping alive (nor the pinned index
+        buffers, which to_device's allocator holds until their copies are done)."""
         blocks = self.kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks + 1, 2, L, bs, Hkv, D] (a view)
         chunk = max(1, COPY_STAGING_BYTES // self.cache[0].nbytes)  # blocks per staging tensor
         for part in range(0, len(offloads) if offloads is not None else 0, chunk):
@@ -214,9 +207,8 @@ class HostCopies:
             blocks[to_device(pairs[:, 1].astype(np.int64), self.device)] = staging
 
     def stats(self) -> dict:
-        """This rank's copies so far: offloaded_blocks, reloaded_blocks, offloaded_bytes,
-        reloaded_bytes, and copy_time_s (CUDA: the copy stream's time in the copies that have
-        finished by now, read from its events without waiting for the others)."""
+        """This rank's copies so far (counts); copy_time_s on CUDA: the copy stream's time in the
+        copies finished by now, read from its events without waiting for the others."""
         self._collect_copy_times()
         return dict(self.counts)
 

@@ -1,30 +1,27 @@
-"""JSON schemas whose every output validates: check_schema() passes on a schema whose keywords
-xgrammar (0.2.9) enforces, rewrites the few it gets wrong in ways that are simple and provably
-exact, and raises a ValueError naming any other keyword and where it stands, instead of letting
-a request succeed with an output that breaks its own schema (vLLM likewise refuses, for xgrammar,
-the keywords it does not support).
+"""JSON schemas whose every output validates: check_schema() passes a schema whose keywords
+xgrammar (0.2.9) enforces, rewrites the few it gets wrong where a simple rewrite is provably
+exact, and raises a ValueError naming any other keyword and where it stands (vLLM likewise
+refuses, for xgrammar, the keywords it does not support).
 
-What xgrammar does with a schema, found keyword by keyword with its grammar matcher (the
-evidence is tests/test_json_schema.py): it reads the first of $ref, const, enum, anyOf, oneOf,
-allOf that a schema holds and nothing else beside it; otherwise it generates the schema's "type"
-(an object if it has properties, an array if it has items, any value if neither) with that
-type's keywords, and ignores a type's keywords in a schema that does not say it has that type
-(maxLength alone constrains nothing). It ignores uniqueItems, contains, not, if/then/else and
-dependentRequired/Schemas; allOf of two or more subschemas becomes "any value"; a oneOf it cannot
-prove disjoint becomes anyOf; multipleOf is ignored for a number, and for an integer bounded on one
-side or over a wide range; minLength/maxLength beside a
-pattern or a format are dropped, and so is a pattern beside a format; a required name that
-properties does not list is dropped; a property both listed and matched by patternProperties is
-checked against its properties schema only, and listed properties are not checked against
-propertyNames. Its patterns match the whole string (a JSON schema pattern may match anywhere:
-fewer strings, all valid), but it writes a pattern's literal quotes, backslashes and control
-characters into the JSON string unescaped (invalid JSON), lets '.', [^...] and ranges through
-the UTF-16 surrogates (invalid UTF-8), and ignores lookaheads and anchors inside a pattern.
+What xgrammar does, found keyword by keyword with its grammar matcher (tests/test_json_schema.py):
+it reads the first of $ref, const, enum, anyOf, oneOf, allOf in a schema and nothing beside it;
+otherwise it generates the schema's "type" (an object if it has properties, an array if it has
+items, any value if neither) with that type's keywords only (maxLength alone constrains nothing).
+It ignores uniqueItems, contains, not, if/then/else, dependentRequired/Schemas, multipleOf for a
+number and for an integer bounded on one side or over a wide range, minLength/maxLength beside a
+pattern or a format, a pattern beside a format, and a required name that properties does not list;
+allOf of two or more subschemas becomes "any value", and a oneOf it cannot prove disjoint anyOf. A
+property both listed and matched by patternProperties is checked against properties only, and
+listed properties not against propertyNames. Its patterns match the whole string (a JSON schema
+pattern may match anywhere: fewer strings, all valid), but it writes a pattern's literal quotes,
+backslashes and control characters into the JSON string unescaped (invalid JSON), lets '.', [^...]
+and ranges through the UTF-16 surrogates (invalid UTF-8), and ignores lookaheads and anchors inside
+a pattern.
 
 It also narrows, soundly: strict mode (xgrammar's default) allows an object only the properties
-its schema names (additionalProperties and unevaluatedProperties left out mean false) and an
-array only the items its schema describes; strings with a length bound or a pattern take no
-escapes; properties come in the schema's order.
+its schema names (additionalProperties and unevaluatedProperties left out mean false) and an array
+only the items its schema describes; strings with a length bound or a pattern take no escapes;
+properties come in the schema's order.
 """
 import json
 import math
@@ -93,8 +90,7 @@ TYPE_TESTS = {
 
 
 class UnsupportedSchema(ValueError):
-    """A JSON schema (valid or not) that xgrammar would not enforce: the message names the keyword
-    and where it stands."""
+    """A JSON schema (valid or not) that xgrammar would not enforce; the message says where."""
 
 
 def refuse(keyword: str, path: str, why: str):
@@ -112,9 +108,8 @@ def pointer(path: str, *names) -> str:
 
 def check_schema(schema: str | dict | bool) -> dict:
     """A copy of schema (JSON text or its value) for xgrammar to compile, whose every output
-    validates against schema; UnsupportedSchema (a ValueError) names a keyword it would not
-    enforce, or one that leaves no value valid. One pass over the schema, iterative: the
-    subschemas it reaches (through $ref too, each once), MAX_DEPTH levels at most."""
+    validates against schema, else UnsupportedSchema. One iterative pass over the subschemas it
+    reaches (through $ref too, each once), MAX_DEPTH levels at most."""
     try:  # (a copy to rewrite; json's C code refuses depths near the recursion limit itself)
         root = json.loads(schema if isinstance(schema, str) else json.dumps(schema))
     except RecursionError:
@@ -149,10 +144,9 @@ def check_schema(schema: str | dict | bool) -> dict:
 
 
 def rebase_refs(schema, base: str):
-    """A copy of schema to stand at the JSON pointer base of a larger schema: each local $ref
-    ("#/$defs/X", "#") re-pointed into it ("#" + base + "/$defs/X"), as a tool's parameters need
-    inside the schema of its call. Only keywords holding subschemas are walked (an enum's or a
-    default's {"$ref": ...} is data), iteratively."""
+    """A copy of schema to stand at the JSON pointer base of a larger schema (a tool's parameters
+    inside the schema of its call): each local $ref ("#/$defs/X", "#") becomes "#" + base + "/$defs/X".
+    Only keywords holding subschemas are walked (an enum's or a default's {"$ref": ...} is data)."""
     copy = json.loads(json.dumps(schema))
     stack = [copy]
     while stack:
@@ -213,8 +207,7 @@ def check_node(root: dict, node: dict, path: str, default_type: str | None):
 
 def generated_types(node: dict, path: str, default_type: str | None) -> set[str] | None:
     """The instance types xgrammar generates for a schema without a dispatcher (None: any value):
-    its "type", else the default (property names are strings), else object or array from the
-    keywords xgrammar takes as saying so."""
+    its "type", else the default (property names are strings), else object or array by keyword."""
     if "type" in node:
         names = node["type"] if isinstance(node["type"], list) else [node["type"]]
         if not names:

@@ -1,12 +1,11 @@
 """Logits processors: what changes a row's logits before it is sampled, beyond temperature and
 the filters: a grammar's mask (structured outputs), allowed_token_ids, logit_bias, the
-repetition/presence/frequency penalties, and min_tokens (stop tokens banned until then). Loaded
-when a step's rows first ask for one (Need.PROCESSORS), and applied in one place of the sampler
-(sampler.processed_logits), in that order; the rejection sampler's target distribution too.
+repetition/presence/frequency penalties, and min_tokens (stop tokens banned until then), applied in
+that order in one place of the sampler (sampler.processed_logits), which the rejection sampler's
+target distribution shares. Loaded when a step's rows first ask for one (Need.PROCESSORS).
 
-Each has three parts: what the host gathers for a step's sampling rows (processor_inputs, from
-the batch state's per-row arrays and the rows' sequences), what goes to the device
-(processor_tensors), and what it does to the logits (apply). A grammar's mask is the one that
+Each has three parts: what the host gathers for a step's sampling rows (processor_inputs), what
+goes to the device (processor_tensors), and what it does to the logits (apply). A grammar's mask
 must wait for the token in flight (its matcher follows the tokens its sequence takes): the engine
 fills it (ProcessorInputs.bitmask) just before the step's sampling is queued.
 """
@@ -21,7 +20,7 @@ from nanovllm.utils.context import to_device
 @dataclass
 class ProcessorInputs:
     """A step's logits processors on the host, per sampling row (None: no row has that one)."""
-    penalties: dict[str, np.ndarray] | None = None   # presence, frequency, repetition [S] float32; num_prompt_tokens [S]
+    penalties: dict[str, np.ndarray] | None = None   # presence, frequency, repetition [S] f32; num_prompt_tokens
     banned: tuple[list[int], list[int]] | None = None  # (sampling row index, token id): stop tokens before min_tokens
     biases: tuple[list[int], list[int], list[float]] | None = None  # (row index, token id, bias): logit_bias
     allowed: tuple[list[int], list[int]] | None = None  # (row index, token id): allowed_token_ids
@@ -103,11 +102,11 @@ def processor_tensors(inputs: ProcessorInputs, rows: np.ndarray, positions: np.n
     return out
 
 
-def penalty_tokens(token_table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, num_prompt_tokens: torch.Tensor,
-                   max_length: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """apply_penalties' (seen, generated), [S, max_length] each: the tokens of each sampling
-    row before the one it samples, read from the token table; completion tokens only in
-    `generated`; both padded with vocab_size (a column that exists only in the penalties)."""
+def penalty_tokens(token_table: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                   num_prompt_tokens: torch.Tensor, max_length: int,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_penalties' (seen, generated), [S, max_length] each, of each sampling row: the tokens
+    before the one it samples, read from the token table."""
     pos = torch.arange(max_length, device=token_table.device)[None, :]
     seen = token_table[rows, :max_length].long().masked_fill_(pos >= lengths[:, None], vocab_size)
     return seen, seen.masked_fill(pos < num_prompt_tokens[:, None], vocab_size)
@@ -115,34 +114,30 @@ def penalty_tokens(token_table: torch.Tensor, rows: torch.Tensor, lengths: torch
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor, presence: torch.Tensor,
                     frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties, touching only the logits of tokens that occurred (O(B x L), not O(B x V)).
-
-    seen: [B, L] every prompt and completion token id of each row; generated: [B, L] its
-    completion token ids, one entry per occurrence; both padded with V (the vocabulary size), a
-    column that exists only in here. Per-row penalties [B]. The repetition penalty divides
-    positive logits of seen tokens and multiplies negative ones; then each completion token loses
-    frequency per occurrence and presence once. No host sync: no data-dependent shapes.
-    """
+    """vLLM's penalties, touching only the logits of tokens that occurred (O(B x L), not O(B x V)),
+    with no host sync. seen, generated: [B, L] each row's prompt and completion tokens, and its
+    completion tokens alone, padded with V (a column that exists only in here); penalties [B]. The
+    repetition penalty divides the positive logits of seen tokens and multiplies the negative; then
+    each completion token loses frequency per occurrence and presence once."""
     num_rows, vocab = logits.shape
     logits = torch.cat([logits, logits.new_zeros(num_rows, 1)], 1)  # [B, V + 1]: column V absorbs padding
     rows = torch.arange(num_rows, device=logits.device)[:, None]
-    x = logits[rows, seen]
-    logits[rows, seen] = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])  # duplicates write equal values
+    x = logits[rows, seen]  # (duplicates below write equal values: the repetition and presence penalties apply once)
+    logits[rows, seen] = torch.where(x > 0, x / repetition[:, None], x * repetition[:, None])
     logits.index_put_((rows.expand_as(generated), generated), -frequency[:, None].expand_as(generated), accumulate=True)
-    logits[rows, generated] = logits[rows, generated] - presence[:, None]  # once per token: duplicates write equal values
+    logits[rows, generated] = logits[rows, generated] - presence[:, None]
     return logits[:, :vocab]
 
 
 def apply(logits: torch.Tensor, p: ProcessorTensors) -> torch.Tensor:
-    """The float32 logits with the tokens their grammars forbid or that allowed_token_ids leaves
-    out at -inf, logit_bias added, the penalties applied and the banned tokens (min_tokens) at
-    -inf. The logits given are left as they are."""
+    """The float32 logits processed, in the module docstring's order (a copy: the given ones stay)."""
     if p.bitmask is not None:
         from nanovllm.features.structured_outputs import apply_bitmask  # (structured outputs' layer, loaded with them)
         logits = apply_bitmask(logits, *p.bitmask)
     if p.allowed is not None:
         rows, ids = p.allowed
-        keep = torch.zeros_like(logits, dtype=torch.bool).index_put_((rows, ids), torch.ones_like(rows, dtype=torch.bool))
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep.index_put_((rows, ids), torch.ones_like(rows, dtype=torch.bool))
         restricted = torch.zeros(len(logits), dtype=torch.bool, device=logits.device).index_fill_(0, rows, True)
         logits = logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
     if p.biases is not None:

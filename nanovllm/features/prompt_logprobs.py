@@ -1,7 +1,7 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs), an observer of the step: the scheduler notes
-which prompt positions a step computes that a request wants (want), the model runner computes
-their logprobs from the forward's hidden states (prompt_logprobs), and the engine hands them to
-their sequences (collect). Loaded at a request's first use."""
+the prompt positions a step computes that a request wants (want), the model runner computes their
+logprobs (prompt_logprobs), and the engine hands them to their sequences (collect). Loaded at a
+request's first use."""
 import torch
 
 from nanovllm.utils.context import Context, forward_context
@@ -23,10 +23,9 @@ def want(wanted: list, index: int, seq, start: int, end: int):
 
 def prompt_logprobs(model, token_table: torch.Tensor, hidden: torch.Tensor, batch, context: Context,
                     rank: int) -> list | None:
-    """The logprobs of the prompt tokens batch.prompt_logprobs asks for: per entry (sequence
-    index, first prompt position, chosen [n], top values [n, k], top ids [n, k]), on rank 0
-    (None on the others, which take part in the LM head's gather). From float32 log_softmax
-    of PROMPT_LOGPROBS_ROWS rows at a time: never a whole [prompt, vocab] matrix at once."""
+    """The logprobs of the prompt tokens batch.prompt_logprobs asks for, from the forward's hidden
+    states: per entry (sequence index, first prompt position, chosen [n], top values [n, k], top ids
+    [n, k]), on rank 0 (None on the others, which take part in the LM head's gather)."""
     cu_q = context.cu_seqlens_q_cpu
     results = []
     for i, offset, count, k in batch.prompt_logprobs:
@@ -49,9 +48,8 @@ def prompt_logprobs(model, token_table: torch.Tensor, hidden: torch.Tensor, batc
 
 
 def collect(seqs: list, computed: list):
-    """Append a step's prompt logprobs (prompt_logprobs' entries; seqs: the step's sequences) to
-    their sequences: per prompt token {its id: logprob, and the top k's}. A position collected
-    already (a prompt recomputed after preemption) is skipped."""
+    """Append a step's prompt logprobs (prompt_logprobs' entries) to the step's seqs: per prompt
+    token {its id: logprob, and the top k's}, skipping positions collected already (preemption)."""
     for i, first, chosen, values, ids in computed:
         seq = seqs[i]
         chosen = chosen.tolist()

@@ -1,11 +1,9 @@
 """What bench.py measures of each step, in one object it attaches with
-`LLMEngine.attach_recorder(StepRecorder(...))`. Without one, the step path carries a
-`recorder is not None` test and nothing else.
-
-The engine calls step_accounted() after each step it accounts for; the model runner calls
-device_step_started() when it starts a step's device work (a draft model's first: so on CUDA the
-start event marks when the host got to the step, not when the previous step ended) and
-device_step_ended() once its sampling is queued.
+`LLMEngine.attach_recorder(StepRecorder(...))` (without one, the step path only tests
+`recorder is not None`). The engine calls step_accounted() after each step it accounts for; the
+model runner calls device_step_started() when it starts a step's device work (a draft model's
+first: on CUDA the start event, recorded on an idle stream, marks when the host got to the step,
+not when the previous step ended) and device_step_ended() once its sampling is queued.
 """
 from time import perf_counter
 
@@ -14,15 +12,12 @@ import torch
 
 class StepRecorder:
     def __init__(self, device: str = "cpu", timeline: bool = False):
-        # Throughput since attached: a step with any prefill tokens counts as prefill time.
-        # sampling_forwards: a sequence's forwards that end in sampling (1 per output token unless
-        # speculative steps emit several)
+        # Throughput since attached (a step with any prefill tokens counts as prefill time);
+        # sampling_forwards: forwards that end in sampling (1 per output token but for speculation)
         self.totals = {"prefill_tokens": 0, "prefill_time_s": 0.0, "decode_tokens": 0, "decode_time_s": 0.0,
                        "sampling_forwards": 0}
-        # timeline: one dict per step accounted for: its wall time, the host's share of it (all but
-        # launching the model and waiting for the tokens), the step's sequences, prefill and decode
-        # tokens computed (a speculative decode's drafts among them), draft tokens, tokens emitted,
-        # KV blocks in use and preemptions so far
+        # timeline: a dict per step accounted for (the host's share of its wall time: all but launching
+        # the model and waiting for the tokens; decode tokens include a speculative decode's drafts)
         self.records: list[dict] | None = [] if timeline else None
         # CUDA: (decode only?, start event, end event) per launched step
         self.cuda_events: list | None = [] if device == "cuda" else None
@@ -62,7 +57,8 @@ class StepRecorder:
             emitted = sum(map(len, tokens)) if step.drafts else len(tokens)
             stats = engine.stats()
             self.records.append({
-                "start": now - step_s, "step_s": step_s, "host_s": max(0.0, step_s - self._device_s - done.sampled.wait_s),
+                "start": now - step_s, "step_s": step_s,
+                "host_s": max(0.0, step_s - self._device_s - done.sampled.wait_s),
                 "num_seqs": len(step.seqs), "prefill_tokens": num_tokens - num_decode, "decode_tokens": num_decode,
                 "draft_tokens": sum(step.drafts.values()), "emitted_tokens": emitted,
                 "used_blocks": stats["num_blocks"] - stats["num_free_blocks"], "preemptions": stats["num_preemptions"]})
@@ -70,8 +66,7 @@ class StepRecorder:
 
     def gpu_idle_fraction(self) -> float | None:
         """Share of the wall time of consecutive decode steps in which the GPU had nothing to do:
-        from one step's end to the next step's start, as CUDA events timed them (a start event
-        recorded on an idle stream completes at once, so it marks when the host got to the step)."""
+        from one step's end to the next step's start, as their CUDA events timed them."""
         if not self.cuda_events:
             return None
         torch.cuda.synchronize()

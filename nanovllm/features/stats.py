@@ -10,11 +10,9 @@ class SpecCounts:
 
 
 def engine_stats(engine) -> dict:
-    """The engine's state now: KV blocks (all, free, the most ever in use), sequences running
-    and waiting (samples not started yet included), and cumulative counts (preemptions, prompt
-    tokens served by the prefix cache, speculative decoding's drafts and accepted tokens), and
-    the host tier's (kv_offloading_size): its blocks, the prompt tokens each tier was asked
-    for and served, and rank 0's copies (bytes each way, seconds the copies took)."""
+    """The engine's state now (KV blocks, sequences) and its cumulative counts: preemptions,
+    speculative decoding's, the prompt tokens each cache tier was asked for and served, and the
+    host tier's blocks and rank 0's copies (bytes each way, seconds)."""
     bm, scheduler = engine.block_manager, engine.scheduler
     speculation = scheduler.speculation
     spec = speculation.stats if speculation is not None else SpecCounts()

@@ -2,28 +2,17 @@
 strings or an EBNF grammar (SamplingParams.structured_outputs), with xgrammar, the library vLLM
 and SGLang use (the `structured` extra).
 
-The engine compiles each request's grammar once, when it is submitted (Grammars.compile), on the
-process's grammar threads (GrammarThreads: never the engine loop's, nor a server's event loop),
-its work bounded before it is queued (check_size) and its own run timed: a pathological schema
-fails alone, with a ValueError, instead of stalling the others. xgrammar's
-compiled grammars stay in an LRU cache keyed by the constraint, so the same schema compiles once
-however many requests bring it. A JSON schema is checked first (json_schema.check_schema): a
-keyword xgrammar would not enforce, or one no value satisfies, is a ValueError naming it and where
-it stands, so that every output validates. Every sample of the request gets its
-own matcher (Sequence.matcher), which follows the tokens it accepts. JSON is generated compact
-(xgrammar's any_whitespace off: one space after ':' and ',' at most): with free whitespace
-a model can pad forever, the failure vLLM's --disable-any-whitespace exists for.
-
-Each step, for the sampling rows with a matcher only (Need.GRAMMAR), the host fills a bitmask of
-the tokens the grammar allows next (fill_bitmask); the sampler sets the others' logits to -inf
-before anything else (processed_logits), so greedy, sampling and the penalties all see the
-constrained distribution. Rows without a constraint pay nothing. The scheduler feeds each
-sampled token to its matcher and ends the sequence once the grammar is complete and has taken
-its stop token. A constrained row's mask depends on its last token: under overlap scheduling,
-a step planned while that token is in flight launches its forward at once but queues its
-sampling only after the step before is accounted for (Grammars.launch and sample_deferred, as SGLang
-does), so constrained sequences decode every step; a constrained sequence never drafts. StructuredOutputsParams.reasoning puts a free reasoning
-block before the constrained part (reasoning_grammar), for a server's --reasoning-parser.
+Each request's grammar is compiled once, on submission (Grammars.compile), on the process's grammar
+threads (never the engine loop's, nor a server's event loop), bounded (check_size) and timed, so a
+pathological schema fails alone, with a ValueError; compiled grammars stay in an LRU cache. A JSON
+schema is checked first (json_schema.check_schema) and generated compact (xgrammar's any_whitespace
+off): with free whitespace a model can pad forever, the failure vLLM's --disable-any-whitespace
+exists for. Each sample has its own matcher (Sequence.matcher); each step the host fills the masks
+of the rows with one (fill_bitmask), and the sampler applies them before anything else
+(processed_logits), so greedy, sampling and the penalties all see the constrained distribution. A
+mask waits for its row's last token (Grammars.launch), so constrained sequences decode every step
+even under overlap scheduling; they never draft. StructuredOutputsParams.reasoning puts a free
+reasoning block before the constrained part (reasoning_grammar), for a server's --reasoning-parser.
 """
 import atexit
 import json
@@ -56,18 +45,17 @@ POLL_S = 0.1               # how often a wait for a compile checks its time limi
 # 28 s). 64 KiB holds any hand-written schema; OpenAI's structured outputs allow 10 levels of nesting.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_JSON_NESTING = 64      # levels of arrays and objects in a JSON schema's text (a schema level is about 2)
-# xgrammar (0.2.9) writes JSON strings with two character classes that let through what JSON text
-# may not hold: a string with minLength or maxLength gets the first class below, which admits raw
-# control characters (invalid JSON: strict parsers such as pydantic's refuse it), inside a counted
-# repetition, or bare where at most one character is allowed (maxLength 1); every string's class
-# admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte encodings are invalid UTF-8 (they
-# decode to U+FFFD). Those two are the only negated classes xgrammar's JSON rules hold (any schema
-# keyword, any place), so JSON grammars are patched by replacing them wherever they stand
+# xgrammar (0.2.9) writes JSON strings with two character classes that let through what JSON may
+# not hold: a string with minLength or maxLength gets the first below, which admits raw control
+# characters (invalid JSON: strict parsers such as pydantic's refuse it), in a counted repetition or
+# bare (maxLength 1); every string's class admits the UTF-16 surrogates U+D800..U+DFFF, whose 3-byte
+# encodings are invalid UTF-8. They are the only negated classes xgrammar's JSON rules hold (any
+# schema keyword, any place), so JSON grammars are patched by replacing them wherever they stand
 # (JSON_PATCHES: old -> new text). A bounded string still takes no escapes, as xgrammar has it: an
-# escape alternative inside its counted repetition made filling 64 masks 10x slower (1,006 against
-# 101 us, maxLength 48). An unbounded string's \uXXXX escape may name a lone surrogate ("\ud800"),
-# which strict parsers (pydantic's, serde_json) refuse: an escaped surrogate comes in a pair, high
-# then low, as UTF-16 has it (JSON_ESCAPE).
+# escape alternative in its counted repetition made filling 64 masks 10x slower (1,006 against 101
+# us, maxLength 48). An unbounded string's \uXXXX escape could name a lone surrogate ("\ud800"),
+# which strict parsers (pydantic's, serde_json) refuse: JSON_ESCAPE takes surrogates only in a pair,
+# high then low, as UTF-16 has it.
 JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 HEX = "[A-Fa-f0-9]"
 JSON_ESCAPE = (f'("u" ([A-Ca-cE-Fe-f0-9] {HEX} {HEX} {HEX} | [Dd] [0-7] {HEX} {HEX}'
@@ -81,7 +69,7 @@ JSON_PATCHES = (
 
 def import_xgrammar():
     try:
-        import xgrammar
+        import xgrammar  # (the `structured` extra: loaded when used)
     except ImportError as e:
         raise ValueError("structured outputs need xgrammar: pip install 'nanovllm[structured]' (with the CPU build "
                          "of torch, install it in the same command as torch==...+cpu)") from e
@@ -91,10 +79,9 @@ def import_xgrammar():
 class GrammarThreads:
     """COMPILE_THREADS daemon threads that run grammar jobs (compiles, and building a required tool
     call's grammar), first come first served, for every engine of the process. A job not started
-    yet can be cancelled (its client went away: it is dropped); one running cannot (xgrammar has
-    no way to stop a compile), which is why check_size bounds the work a constraint may ask for
-    before it is queued. At exit the jobs not started are dropped and those running are waited for
-    (finish_at_exit): a thread killed in the middle of a compile would abort the process."""
+    yet can be cancelled (its client went away); one running cannot (xgrammar cannot stop a
+    compile: hence check_size). At exit the jobs not started are dropped and those running waited
+    for (finish_at_exit): a thread killed in the middle of a compile would abort the process."""
 
     def __init__(self, num_threads: int):
         self.jobs: SimpleQueue = SimpleQueue()
@@ -176,8 +163,7 @@ def check_length(size: int, name: str):
 
 
 def check_schema_size(schema: str | dict, name: str):
-    """A ValueError for a JSON schema (its JSON text, or the value) longer than MAX_CONSTRAINT_CHARS
-    or nested deeper than MAX_JSON_NESTING."""
+    """check_size of a JSON schema (its JSON text, or the value)."""
     text = json.dumps(schema) if not isinstance(schema, str) else schema
     check_length(len(text), name)
     depth = deepest = 0
@@ -211,10 +197,9 @@ class Grammars:
         self.timeout_s = COMPILE_TIMEOUT_S
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of a constraint (xgrammar's CompiledGrammar), compiled on a grammar
-        thread, or from the LRU cache when it was compiled before: a ValueError names a constraint
-        that is too large (check_size), does not compile, accepts no text, or whose compile took
-        over timeout_s (it goes on in the background: xgrammar cannot stop it, but nothing waits)."""
+        """The compiled grammar of a constraint (cached, else compiled on a grammar thread); a
+        ValueError for one too large (check_size), that does not compile or accepts no text, or
+        whose compile took over timeout_s (xgrammar cannot stop it, but nothing waits for it)."""
         job = self.submit(params)
         while True:
             try:
@@ -226,8 +211,7 @@ class Grammars:
                                      "s; simplify it") from None
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar of a constraint as a future: done at once from the cache, else a job
-        of the grammar threads (a ValueError at once for one too large: check_size)."""
+        """compile() as a future: done at once from the cache, else a job of the grammar threads."""
         check_size(params)
         with self.lock:
             if params in self.cache:
@@ -277,9 +261,8 @@ class Grammars:
         return compiled
 
     def compile_request(self, sampling_params):
-        """The compiled grammar of a request's structured_outputs: a ValueError for one that does
-        not compile, or not in time, or that allowed_token_ids leaves no first token. Any thread
-        may call it (a server compiles first, and the engine's own call is then a cache hit)."""
+        """compile() of a request's structured_outputs, then check_first_token. Any thread may call
+        it (a server compiles first, and the engine's own call is then a cache hit)."""
         compiled = self.compile(sampling_params.structured_outputs)
         self.check_first_token(sampling_params, compiled)
         return compiled
@@ -297,10 +280,9 @@ class Grammars:
 
     def launch(self, runner, batch, sampling, seqs: list, overlap: bool) -> tuple:
         """Launch a step with constrained rows (LLMEngine._launch's hook): (its SampledTokens, None),
-        each row's mask filled first; or, under overlap scheduling when some grammar still waits
-        for the token of the step in flight, (None, deferred): the forward runs now and
-        sample_deferred() queues the sampling once that token is in, as SGLang does. seqs: the
-        step's sampling sequences (no speculation here: one row each)."""
+        the masks filled first; or, when a grammar waits for the token in flight (overlap), (None,
+        deferred): the forward runs now, and sample_deferred() queues the sampling once that token
+        is in, as SGLang does. seqs: the step's sampling sequences (no speculation: one row each)."""
         masked = sampling.processors
         if overlap and any(seqs[i].num_tokens - len(seqs[i].token_ids) > 1 for i, _ in masked.matchers):
             return None, (runner.launch(batch, sampling, defer_sampling=True), sampling)
@@ -337,11 +319,10 @@ REFUSED = _Refused()
 
 
 def advance_grammars(seqs: list, tokens: list[int]):
-    """Feed each constrained sequence's new token to its grammar (Scheduler.complete's hook; its
-    mask allowed it); one whose grammar is complete and took its stop token ends (stops). A token
-    the grammar refuses all the same was drawn from a row with no token left (the grammar's mask
-    and the request's allowed_token_ids have none in common): that sequence alone ends, with
-    finish_reason "error" (its matcher is REFUSED)."""
+    """Feed each constrained sequence's new token to its grammar (Scheduler.complete's hook: it ends
+    one whose grammar is complete and took its stop token). A token the grammar refuses was drawn
+    from a row with no token left (its mask and allowed_token_ids have none in common): that
+    sequence alone ends, with finish_reason "error" (its matcher is REFUSED)."""
     for seq, token in zip(seqs, tokens):
         if seq.matcher is not None and not seq.matcher.accept_token(token):
             logger.warning("sequence %s: no token meets its constraints (its grammar refused token %d); ending it "
@@ -360,9 +341,8 @@ XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 def json_grammar(schema: str | dict, root: str = "root") -> str:
-    """The EBNF text (xgrammar's) of compact JSON valid against schema, its top rule named root
-    (another name lets a grammar embed it), with JSON_PATCHES applied. UnsupportedSchema (a
-    ValueError) names a keyword xgrammar would not enforce (json_schema.check_schema)."""
+    """The EBNF text (xgrammar's) of compact JSON valid against schema (else UnsupportedSchema:
+    check_schema), with JSON_PATCHES applied, its top rule named root (another lets a grammar embed it)."""
     grammar = str(import_xgrammar().Grammar.from_json_schema(json.dumps(check_schema(schema)), any_whitespace=False))
     for old, new in JSON_PATCHES:
         grammar = grammar.replace(old, new)

@@ -64,7 +64,8 @@ class StructuredOutputsParams:
         if self.reasoning is not None:
             if (not isinstance(self.reasoning, (tuple, list)) or len(self.reasoning) != 2
                     or not all(isinstance(tag, str) and tag for tag in self.reasoning)):
-                raise TypeError(f"StructuredOutputsParams.reasoning must be (start tag, end tag), got {self.reasoning!r}")
+                raise TypeError(f"StructuredOutputsParams.reasoning must be (start tag, end tag), "
+                                f"got {self.reasoning!r}")
             object.__setattr__(self, "reasoning", tuple(self.reasoning))
         if not isinstance(self.reasoning_started, bool) or (self.reasoning_started and self.reasoning is None):
             raise TypeError(f"StructuredOutputsParams.reasoning_started must be a bool, and True only with reasoning, "

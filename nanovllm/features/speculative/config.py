@@ -11,9 +11,8 @@ from nanovllm.features.speculative.ngram import NgramProposer
 from nanovllm.utils.hub import resolve_model
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-# The longest draft: a step verifies k + 1 tokens per sequence, and a draft's n-th token is accepted
-# only if all before it are (vLLM's EAGLE drafts 3 to 10; past 32 a step would verify tokens that
-# almost never count, and the per-position acceptance counters grow with k).
+# The longest draft (vLLM's EAGLE drafts 3 to 10): a draft's n-th token counts only if all before it
+# are accepted, so past 32 a step would verify tokens that almost never count (and counters grow with k).
 MAX_SPECULATIVE_TOKENS = 32
 SPECULATIVE_KEYS = {"ngram": {"prompt_lookup_min", "prompt_lookup_max"}, "draft_model": {"model"}}
 
@@ -57,8 +56,7 @@ class SpeculativeConfig:
                              f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if method == "ngram":
             NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)  # (checks)
-            return config
-        if not isinstance(config.model, (str, os.PathLike)):
+        elif not isinstance(config.model, (str, os.PathLike)):
             raise ValueError(f"speculative_config's method 'draft_model' needs \"model\": the draft model's folder, "
                              f"got {config.model!r}")
         return config

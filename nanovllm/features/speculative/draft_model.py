@@ -2,22 +2,21 @@
 target on rank 0, proposing each drafting sequence's tokens on the device.
 
 Its KV cache mirrors the target's: a cache of its own shape with the same blocks, addressed by the
-model runner's block tables and fed from the runner's token table. Every step it computes exactly
-the positions the target computes, so a block's draft K/V is valid whenever the target's is: the
-prefix cache's blocks serve both models, preemption recomputes both, and a rejected draft's slots
-are written again later by both. A step, where sequence i drafts d_i tokens after its last token
-at position c_i (D = max d_i):
+model runner's block tables and fed from its token table. Every step it computes exactly the
+positions the target computes, so a block's draft K/V is valid whenever the target's is: the prefix
+cache's blocks serve both models, preemption recomputes both, and a rejected draft's slots are
+written again later by both. A step, where sequence i drafts d_i tokens after its last token at
+position c_i (D = max d_i):
   forward 1:     the step's tokens except the drafts (prefill chunks, plain decodes, each drafting
                  sequence's last token; CUDA graphs when they are all decodes): draft 1 from the
                  logits at c_i;
   forward j + 1: draft j at c_i + j of the sequences with d_i >= j (a decode step: CUDA graphs),
   (j = 1..D)     and draft j + 1 from its logits where d_i > j. A sequence's last forward only
                  writes its last draft's K/V (the target computes that position too).
-Each draft is drawn as the target samples its position (the same penalties, temperature and
-filters: target_probs), from a stream of its own (DRAFT_SALT); greedy rows take the argmax. Its
-distribution q is kept for the rejection sampler. The drafts go into the token table, where the
-target's forward reads them; with tensor parallelism the draft model runs on rank 0 alone,
-unsharded, and rank 0 broadcasts its drafts (ModelRunner._share_drafts).
+Each draft is drawn as the target samples its position (target_probs), from a stream of its own
+(DRAFT_SALT), or the argmax for a greedy row; its distribution q is kept for the rejection sampler.
+With tensor parallelism the draft model runs on rank 0 alone, unsharded, and rank 0 broadcasts its
+drafts (SpeculativeRunner._share_drafts).
 """
 import numpy as np
 import torch
@@ -88,8 +87,7 @@ class DraftModel:
                                       self.device)
 
     def capture_graphs(self, runner, largest_only: bool = False, show_progress: bool = False) -> DecodeGraphs:
-        """Its decode CUDA graphs over the runner's tables, kept (largest_only: the probe of their
-        memory, returned and not kept)."""
+        """Its decode CUDA graphs over the runner's tables, kept unless largest_only (a memory probe)."""
         max_batch = runner.graph_sizes[-1]
         graphs = DecodeGraphs(self.model, runner.token_table, runner.block_tables, runner.block_size,
                               runner.scratch_row, max_batch, self.config.max_model_len,
@@ -100,10 +98,10 @@ class DraftModel:
         return graphs
 
     def propose(self, runner, batch: StepBatch, sampling: SamplingInputs) -> torch.Tensor | None:
-        """Run the draft model's part of the step (every step: its cache must keep up), writing the
-        step's tables first and each draft into the token table. Returns q [R, V] for the rejection
-        sampler (R: the step's sampling rows, row j of a drafting sequence the distribution its
-        draft j + 1 was drawn from), or None: no drafts, or every row greedy."""
+        """Run the draft model's part of the step (every step: its cache must keep up): the step's
+        tables first, then its drafts into the token table. q [R, V] over the step's sampling rows
+        (row j of a drafting sequence: what its draft j + 1 was drawn from), or None: no drafts, or
+        every row greedy."""
         run = runner.run
         num_drafts = batch.num_drafts
         if num_drafts is None:  # (a step without drafts: the draft model computes its tokens too)
@@ -135,8 +133,7 @@ class DraftModel:
     def _draw(self, runner, logits: torch.Tensor, sampling: SamplingInputs, target_rows: np.ndarray,
               target_rows_d: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         """One draft per logits row, drawn with the sampling inputs of the target rows that will
-        verify it (target_rows; target_rows_d, the same on the device); its distribution goes
-        into q at those rows."""
+        verify it (target_rows; target_rows_d on the device), its distribution into q there."""
         vocab = self.vocab_size
         logits = logits[:, :vocab]
         if logits.shape[1] < vocab:  # (a draft whose embedding table is padded less: q is 0 past it)

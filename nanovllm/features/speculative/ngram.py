@@ -1,15 +1,9 @@
-"""N-gram (prompt lookup) proposer for speculative decoding.
-
-Prompt lookup drafts the next tokens from the sequence itself: if the last n tokens occurred
-earlier in the prompt or completion, the tokens that followed that occurrence are proposed as
-the continuation, and the target model verifies them all in one forward pass. It pays off on
-text that repeats its own context: code editing (the model rewrites the file it was shown),
-quoting, extraction, summaries that reuse the source's phrases, multi-turn chat.
-Drafts cost nothing to produce: no draft model, no weights, no GPU work, only a search over the
-token ids the host already holds; a miss simply proposes nothing and decoding proceeds as usual.
-
-Configured with vLLM's names: speculative_config={"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 2, "prompt_lookup_max": 4}.
+"""N-gram (prompt lookup) proposer for speculative decoding: if the last n tokens occurred earlier
+in the prompt or completion, the tokens that followed that occurrence are proposed, and the target
+model verifies them all in one forward pass. It pays off on text that repeats its own context (code
+editing, quoting, extraction, summaries that reuse the source's phrases, multi-turn chat), and its
+drafts cost only a search over the token ids the host already holds; a miss proposes nothing.
+speculative_config's method "ngram" (config.py) configures it, with vLLM's names.
 """
 from collections.abc import Sequence
 
@@ -23,10 +17,9 @@ def _check_int(name: str, value: object, low: int) -> None:
 
 
 class TokenBuffer:
-    """A sequence's tokens as a growing numpy array, for the proposer: converting the whole Python
-    list at every step costs more than the search itself (2 to 21 ms per 256-sequence step at 512
-    to 8,192 tokens per sequence); this copies only the tokens appended since the last step. The
-    list only ever grows while a sequence runs, so its tail is all that is new."""
+    """A sequence's tokens as a growing numpy array, for the proposer: converting the whole list at
+    every step costs more than the search (2 to 21 ms per 256-sequence step at 512 to 8,192 tokens
+    per sequence), and a running sequence's list only grows, so only its new tail is copied."""
 
     def __init__(self):
         self.array = np.empty(256, dtype=np.int64)
@@ -57,35 +50,27 @@ class NgramProposer:
         if prompt_lookup_min > prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({prompt_lookup_min}) must be <= prompt_lookup_max "
                              f"({prompt_lookup_max})")
-        self.k = int(num_speculative_tokens)
-        self.min_n = int(prompt_lookup_min)
-        self.max_n = int(prompt_lookup_max)
+        self.k, self.min_n, self.max_n = int(num_speculative_tokens), int(prompt_lookup_min), int(prompt_lookup_max)
 
     def propose(self, token_ids: Sequence[int] | np.ndarray, max_len: int | None = None) -> list[int]:
         """Draft tokens for one sequence (its prompt + completion tokens): what followed the most
         recent earlier occurrence of its longest matching suffix n-gram (the most recent that the
-        full count follows, if any), at most
-        min(num_speculative_tokens, max_len) of them (max_len <= 0 gives []); [] on no match."""
+        full count follows, if any), at most min(k, max_len) of them; [] on no match."""
         limit = self.k if max_len is None else min(self.k, max_len)
-        # Converting a Python list dominates the cost on long sequences (~0.3 ms for 32k tokens,
-        # against ~5-170 us for the search), so a caller that keeps a numpy array saves that.
-        if isinstance(token_ids, np.ndarray):
-            tokens = token_ids
-        else:
-            tokens = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+        # (a list's conversion costs more than the search on long sequences, ~0.3 ms for 32k tokens
+        # against ~5-170 us: a caller that keeps a numpy array, TokenBuffer's, saves it)
+        tokens = token_ids if isinstance(token_ids, np.ndarray) else np.fromiter(token_ids, np.int64, len(token_ids))
         if tokens.ndim != 1:
             raise ValueError(f"token_ids must be one-dimensional, got shape {tokens.shape}")
         length = len(tokens)
         if limit <= 0 or length < self.min_n + 1:
             return []
 
-        # An occurrence is named by the index of its last token, `end`. It must be strictly
-        # earlier than the suffix itself (end <= length - 2), so at least one token follows it.
-        # The candidates for n = 1 are the earlier copies of the last token; n-gram n+1 matches at
-        # `end` iff n-gram n does and the token n places before `end` equals tokens[-(n+1)], so
-        # each longer n filters the survivors of the shorter one. This gives the same answer as
-        # searching from prompt_lookup_max down, in one vectorized pass over the sequence, and
-        # then only over the (usually few) surviving candidates.
+        # An occurrence is named by the index of its last token, `end`, strictly before the suffix
+        # (end <= length - 2: a token follows it). The n = 1 candidates are the earlier copies of
+        # the last token; n-gram n + 1 matches at `end` iff n-gram n does and the token n places
+        # before `end` equals tokens[-(n + 1)], so each longer n filters the survivors of the
+        # shorter: a search from prompt_lookup_max down, in one vectorized pass and then over few.
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         best_end = -1
         for n in range(1, self.max_n + 1):

@@ -1,11 +1,6 @@
 """Speculative decoding's bookkeeping on the host: how many drafts a sequence should verify
-(draft_limit, the adaptive policy) and the counts vLLM reports (SpecStats). The drafts themselves
-come from ngram.py or draft_model.py; the verification is rejection_sampler.py's; the scheduler
-runs them through its speculation hook (scheduling.py: Speculation.propose, .complete)."""
+(draft_limit, the adaptive policy) and the counts vLLM reports (SpecStats)."""
 
-
-# Adaptive speculation (draft_limit): how acceptance is remembered, when drafting stops paying, and
-# how often a sequence that stopped tries again.
 ACCEPTANCE_MEMORY = 0.7     # acceptance_ema = MEMORY * old + (1 - MEMORY) * accepted / drafted
 MIN_DRAFT_COST = 0.1        # a draft's cost, relative to a forward, while decode is memory-bound
 COMPUTE_BOUND_BATCH = 256   # running sequences at which the step is taken as compute-bound (cost 1)
@@ -16,14 +11,13 @@ def draft_limit(k: int, acceptance_ema: float, steps_since_draft: int, num_runni
     """How many of its k drafts a sequence should verify this step.
 
     A draft at position j is accepted only if the j - 1 before it were, with probability about
-    acceptance^j; it pays for itself when that beats its cost: the extra query token it adds to
-    the target's forward. While decode is memory-bound (small batches: the weights are read once
-    whatever the tokens) that cost is small; as the batch grows the step turns compute-bound and
-    each token costs nearly a forward of its own (COMPUTE_BOUND_BATCH). So draft the positions j
-    with acceptance^j > cost: all k on text that repeats, none on text the drafts miss. A sequence
-    at none drafts once every PROBE_AFTER steps (its text may turn repetitive), which is how its
-    acceptance is measured again. fixed_cost: a seeded request's cost ignores the batch, so its
-    draft lengths, and its tokens, do not depend on what else runs (the distribution never does).
+    acceptance^j; it pays when that beats its cost, the query token it adds to the target's
+    forward: small while decode is memory-bound (small batches: the weights are read once whatever
+    the tokens), nearly a forward of its own once the batch makes the step compute-bound
+    (COMPUTE_BOUND_BATCH). So draft the positions j with acceptance^j > cost. A sequence at none
+    drafts once every PROBE_AFTER steps (its text may turn repetitive), which measures its
+    acceptance again. fixed_cost: a seeded request's cost ignores the batch, so its draft lengths,
+    and its tokens, do not depend on what else runs (the distribution never does).
     """
     load = 0.0 if fixed_cost else min(1.0, num_running / COMPUTE_BOUND_BATCH)
     cost = MIN_DRAFT_COST + (1 - MIN_DRAFT_COST) * load

@@ -15,13 +15,12 @@ equals the draft, and take the argmax next: greedy output is the same with or wi
 Row layout: sequence b owns lengths[b] + 1 consecutive target rows, sequences in order (R =
 sum(lengths + 1)): its row j < lengths[b] verifies draft j; its last row gives the bonus token.
 
-Reproducible per request: the uniforms come from uniform_per_row(seed, position), a pure function
-of the request's seed and the position being decided, so the output does not depend on what else
-shares the batch. The token after the accepted drafts is drawn as plain sampling draws the token at
-its position (the same uniform, from the same unnormalized filtered probabilities as full_way), so a
-sequence without drafts gets exactly the plain sampler's token. The acceptance test and a draft
-model's own draws use streams of their own (salted seeds): a draft drawn with the acceptance test's
-uniform would be correlated with it, and the output would no longer follow p.
+Reproducible per request: the uniforms come from uniform_per_row(seed, position), so the output
+does not depend on what else shares the batch. The token after the accepted drafts is drawn as
+plain sampling draws its position's (the same uniform, from the same unnormalized filtered
+probabilities as full_way): a sequence without drafts gets exactly the plain sampler's token. The
+acceptance test and a draft model's draws use streams of their own (salted seeds): a draft drawn
+with the acceptance test's uniform would be correlated with it, and the output would not follow p.
 """
 import torch
 
@@ -34,11 +33,10 @@ DRAFT_SALT = 0x6A09E667F3BCC908  # for a draft model's sampling (it must not reu
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The target's distribution at each row, processed as plain sampling processes it: (probs
-    [R, V], or None when every row is greedy; argmax [R] of the processed logits). probs are the
-    filtered softmax that full_way draws from, not renormalized (verify normalizes where it needs
-    to). batch holds one entry per row. The filters give the full-sort reference's result
-    (filtered()), whose kept set is exactly the plain sampler's."""
+    """The target's distribution at each row (batch: one entry per row), processed as plain
+    sampling processes it: (probs [R, V], or None when every row is greedy; argmax [R] of the
+    processed logits). probs are the filtered softmax that full_way draws from, not renormalized
+    (verify normalizes where it needs to); the kept set is exactly the plain sampler's."""
     logits = processed_logits(logits.float(), batch)
     argmax = greedy(logits)
     if batch.all_greedy:
@@ -79,13 +77,11 @@ def verify(probs: torch.Tensor | None, argmax: torch.Tensor, greedy_rows: torch.
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each sequence emits this step: its accepted drafts, then one more.
 
-    probs, argmax: target_probs' ([R, V] or None when all rows are greedy; [R]). greedy_rows [B]
-    bool. drafts [B, K] int64 (entries past a sequence's length are ignored), lengths [B] int64 in
-    0..K. draft_probs [R, V]: the draft model's processed q at each row (row j of a sequence: the
-    distribution draft j was drawn from; its last row is unused), None for n-gram drafts. seeds
-    [B] int64; positions [B] int64: the position of each sequence's first draft token.
-    Returns (tokens [B, K + 1], num_emitted [B]): sequence b emits tokens[b, :num_emitted[b]],
-    1 to lengths[b] + 1 of them."""
+    probs, argmax: target_probs'. greedy_rows [B] bool. drafts [B, K] int64 (entries past a
+    sequence's length are ignored), lengths [B] int64 in 0..K. draft_probs [R, V]: the draft
+    model's q at each row (row j of a sequence: what draft j was drawn from; its last row unused),
+    None for n-gram drafts. seeds [B]; positions [B]: each sequence's first draft position. Returns
+    (tokens [B, K + 1], num_emitted [B]): sequence b emits tokens[b, :num_emitted[b]]."""
     num_seqs, k = drafts.shape
     device = drafts.device
     starts = torch.cumsum(lengths + 1, 0) - (lengths + 1)                       # [B] each sequence's first row

@@ -1,10 +1,6 @@
-"""SpeculativeRunner: the model runner of an engine with speculative decoding, built in place of
-ModelRunner (LLMEngine.__init__). A step with drafts runs the draft model's part first
-(draft_model.py: its drafts into the token table), then the target's forward over every
-sequence's last token and drafts, and the verify step in place of plain sampling: the rejection
-sampler (rejection_sampler.py) keeps each sequence's accepted drafts and draws the token after
-them. Speculative decode steps (a last token and up to k drafts per sequence) replay CUDA graphs
-of their own (verify_graphs)."""
+"""SpeculativeRunner, built in place of ModelRunner (LLMEngine.__init__): a step with drafts runs
+the draft model's part first (its drafts into the token table), then the target's forward over each
+sequence's last token and drafts (CUDA graphs of their own: verify_graphs), then the verify step."""
 from dataclasses import dataclass, replace
 from time import perf_counter
 
@@ -97,8 +93,7 @@ class SpeculativeRunner(ModelRunner):
 
     # ---- a step -------------------------------------------------------------------------------
     def _forward(self, batch: StepBatch, sampling: SamplingInputs) -> DraftedStep:
-        """The draft model drafts into the token table first (and writes the step's tables), then
-        the target's forward over the step."""
+        """The draft model's part (the step's tables, its drafts), then the target's forward."""
         draft_probs = None
         if self.drafter is not None:
             draft_probs = self.drafter.propose(self, batch, sampling)
@@ -156,21 +151,18 @@ class SpeculativeRunner(ModelRunner):
         return ModelRunner._token_writes(batch) + batch.draft_tokens  # (and the host's drafts: n-gram)
 
     def _share_drafts(self, batch: StepBatch):
-        """Tensor parallelism with a draft model: rank 0 broadcasts the drafts it wrote into its
-        token table, and the other ranks write them into theirs."""
+        """Tensor parallelism with a draft model: rank 0's drafts broadcast into every token table."""
         rows, positions = (to_device(a, self.device) for a in draft_slots(batch))
         drafts = self.token_table[rows, positions].long()
         self.group.broadcast(drafts)
         self.token_table[rows, positions] = drafts.int()
 
-
     def _verify(self, batch: StepBatch, logits: torch.Tensor, sampling: SamplingInputs,
                 draft_probs: torch.Tensor | None) -> VerifiedTokens:
         """A speculative step's sampling (rank 0): the rejection sampler over the logits of each
-        sampling sequence's drafts and the position after them (sampling has one entry per such
-        row); the token after each one's accepted drafts goes into the token table. The drafts
-        are the host's (n-gram: batch.draft_tokens) or the draft model's, in the token table
-        already, with their distributions draft_probs (None when every row is greedy)."""
+        sampling sequence's drafts and the position after them (one sampling entry per such row).
+        The drafts are the host's (n-gram: batch.draft_tokens) or the draft model's, in the token
+        table already, with their distributions draft_probs (None when every row is greedy)."""
         drafts = batch.num_drafts[batch.samples].astype(np.int64)                   # [S]
         counts = drafts + 1
         firsts = np.cumsum(counts) - counts                                          # [S] each one's first row
@@ -211,11 +203,9 @@ class SpeculativeRunner(ModelRunner):
                               if sampling.num_logprobs is not None else None)
 
     def _keep_verified(self, where: torch.Tensor, rows: torch.Tensor):
-        """Write each sampling sequence's next token (where [2, S]: tokens, positions) into the
-        token table (rank 0 broadcasts them to the other ranks first). Accepted drafts are there
-        already; rejected ones are overwritten when their positions are computed again. rows
-        [S]: the sequences' rows."""
+        """Write each sampling sequence's next token (where [2, S]: tokens, positions; rows [S]) into
+        the token table, rank 0's broadcast first. Accepted drafts are there already; rejected ones
+        are overwritten when their positions are computed again."""
         if self.group is not None:
             self.group.broadcast(where)
         self.token_table[rows, where[1]] = where[0].to(torch.int32)
-

@@ -1,7 +1,6 @@
 """Speculation, the scheduler's hook for speculative decoding: which drafts a decoding sequence
-verifies in a step (propose), the sampling rows those drafts add (sampling_rows), and the
-accounting of a verified step (complete): each sequence keeps its accepted drafts and the token
-after them, and rolls back the rest (Sequence.rollback)."""
+verifies in a step (propose), the sampling rows they add (sampling_rows), and the accounting of a
+verified step (complete: rejected drafts rolled back, Sequence.rollback)."""
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
@@ -34,7 +33,7 @@ class SpecState:
         self.acceptance = 1.0                         # their recent acceptance rate (optimistic at first)
         self.steps_since_draft = 0                    # decode steps since it last drafted (draft_limit)
         self.buffer = None                            # its tokens as numpy, for the n-gram proposer
-        self.draft_ids = None                         # the ids of its drafts this step (n-gram; None: the draft model's)
+        self.draft_ids = None                         # its draft ids this step (n-gram; None: the draft model's)
 
 
 class Speculation:
@@ -48,14 +47,13 @@ class Speculation:
         self.stats = SpecStats(self.k)
 
     def propose(self, seq: Sequence, num_running: int, budget: int) -> int:
-        """How many draft tokens a decoding sequence verifies this step (their ids, when the host
-        proposes them, in seq.spec.draft_ids; None: the draft model draws them in the step), or -1:
+        """How many draft tokens a decoding sequence verifies this step (their ids in
+        seq.spec.draft_ids when the host proposes them; None: the draft model draws them), or -1:
         they do not fit in the budget left, and it waits for the next step (the first of a step
-        always fits). As many as the policy allows (draft_limit) and the n-gram proposer finds, at
-        most so many that its accepted drafts and the token after them stay within its token limit
-        (max_tokens, max_model_len), and that they fit in a step's budget. Never fewer for lack of
-        budget in this step, so its drafts, and a seeded request's tokens, do not depend on what
-        shares its step."""
+        always fits). As many as draft_limit allows and the n-gram proposer finds, within its token
+        limit (max_tokens, max_model_len: its accepted drafts and the token after them) and a step's
+        budget; never fewer for lack of budget in this step, so its drafts, and a seeded request's
+        tokens, do not depend on what shares its step."""
         state = seq.spec
         if state is None:
             state = seq.spec = SpecState()
@@ -85,10 +83,9 @@ class Speculation:
 
     def complete(self, scheduler, step, emitted: list[list[int]], logprobs: list[list[dict]] | None
                  ) -> list[Sequence]:
-        """Scheduler.complete() for a speculative step (run synchronously: nothing was in flight
-        beside it): each sampling sequence emits its accepted drafts and the token after them
-        (emitted[i]), and takes back its rejected drafts. Tokens are appended one at a time, so a
-        sequence that stops inside the run ends there, and the rest of the run is dropped."""
+        """Scheduler.complete() for a speculative step (nothing was in flight beside it): each
+        sampling sequence emits emitted[i] (its accepted drafts and the token after them) and takes
+        back its rejected drafts; one that stops inside the run ends there, the rest dropped."""
         drafts = [step.drafts.get(i, 0) for i, samples in enumerate(step.samples) if samples]
         stopped = []
         for i, (seq, tokens) in enumerate(zip(step.sampling, emitted)):
