@@ -110,15 +110,6 @@ def test_long_sequence():
     assert NgramProposer(4, 2, 4).propose(tokens) == [10, 11, 12, int(tokens[1006])]
 
 
-def test_propose_batch():
-    p = NgramProposer(2, 2, 2)
-    seqs = [[1, 2, 3, 4, 1, 2], [1, 2, 3], np.array([9, 9, 9, 9])]
-    assert p.propose_batch(seqs) == [[3, 4], [], [9, 9]]  # (the latest [9, 9] that two tokens follow)
-    assert p.propose_batch(seqs, max_lens=[1, 5, 0]) == [[3], [], []]
-    with pytest.raises(ValueError, match="max_lens"):
-        p.propose_batch(seqs, max_lens=[1])
-
-
 @settings(max_examples=500, deadline=None, derandomize=True)
 @given(tokens=st.lists(st.integers(0, 3), max_size=60), k=st.integers(1, 5),
        bounds=st.tuples(st.integers(1, 4), st.integers(1, 4)).map(sorted),

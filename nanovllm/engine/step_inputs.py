@@ -1,6 +1,5 @@
-"""What every step's inputs use, on every device: the input ids and KV slots gathered from the
-device's tables, and the CUDA-graph ladder's batch sizes (an eager decode step pads to them too, in
-Context.padded_batch, so it splits its work as its replay would; the graphs: cuda_graphs.py)."""
+"""What every step's inputs use: the input ids and KV slots gathered from the device's tables, and
+the CUDA-graph ladder's sizes (eager decode steps pad to them too; the graphs: cuda_graphs.py)."""
 import bisect
 
 import torch

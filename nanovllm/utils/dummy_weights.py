@@ -5,12 +5,10 @@ from torch import nn
 
 from nanovllm.utils.loader import process_weights_after_loading
 
-# Dummy weights: small uniform values keep activations finite through any depth; throughput does
-# not depend on the values.
+# Small uniform values keep activations finite through any depth (throughput ignores the values).
 DUMMY_WEIGHT_RANGE = 1e-3
-# Quantized dummy weights: scales that map random codes (fp8 in [-1, 1]; int4 codes minus zero
-# points in [-15, 15]) to about the same range.
-# By name ending: block-FP8 scales (weight_scale_inv, an MoE's w13_scale_inv) and AWQ's scales.
+# Quantized layers' scales, by name ending (block-FP8's weight_scale_inv and an MoE's w13_scale_inv;
+# AWQ's scales), map random codes (fp8 in [-1, 1]; int4 codes minus zero points in [-15, 15]) there too.
 DUMMY_SCALES = {"scale_inv": DUMMY_WEIGHT_RANGE, "scales": DUMMY_WEIGHT_RANGE / 15}
 
 

@@ -90,11 +90,3 @@ class NgramProposer:
             return []
         # Fewer than `limit` when the sequence ends first.
         return tokens[best_end + 1:best_end + 1 + limit].tolist()
-
-    def propose_batch(self, sequences: list, max_lens: list[int] | None = None) -> list[list[int]]:
-        """propose() for each sequence, with its max_len when max_lens is given."""
-        if max_lens is None:
-            return [self.propose(seq) for seq in sequences]
-        if len(max_lens) != len(sequences):
-            raise ValueError(f"max_lens has {len(max_lens)} entries for {len(sequences)} sequences")
-        return [self.propose(seq, cap) for seq, cap in zip(sequences, max_lens)]
