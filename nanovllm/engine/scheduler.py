@@ -11,6 +11,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.engine.step_batch import StepBatch
 
 FINISHED = SequenceStatus.FINISHED
+PLAIN_DECODE = (1, True)  # a sequence's (tokens it computes, whether it samples) when not in ScheduledStep.chunks
 
 
 @dataclass
@@ -45,11 +46,11 @@ class ScheduledStep:
 
     @property
     def num_new(self) -> list[int]:  # (the tokens each computes)
-        return [self.chunks.get(i, (1,))[0] for i in range(len(self.seqs))]
+        return [self.chunks.get(i, PLAIN_DECODE)[0] for i in range(len(self.seqs))]
 
     @property
     def samples(self) -> list[bool]:  # (whether each samples)
-        return [self.chunks.get(i, (1, True))[1] for i in range(len(self.seqs))]
+        return [self.chunks.get(i, PLAIN_DECODE)[1] for i in range(len(self.seqs))]
 
     def batch(self) -> StepBatch:
         """What every rank needs to run this step."""
@@ -136,7 +137,7 @@ class Scheduler:
         if not step.seqs:
             return None
         step.sampling = step.seqs if not step.chunks else [
-            seq for i, seq in enumerate(step.seqs) if i not in step.chunks or step.chunks[i][1]]
+            seq for seq, samples in zip(step.seqs, step.samples) if samples]
         if self.batch_state.num_constrained:  # (complete() feeds their grammars; their masks wait: LLMEngine._launch)
             step.constrained = any(seq.matcher is not None for seq in step.seqs)
         # Publish the blocks this step fills with tokens the host knows (a decode's new token is
