@@ -246,7 +246,7 @@ def test_warmup_runs_on_every_rank(model_dir, prompts, reference):
 def test_nccl_group_has_a_timeout(monkeypatch):
     """Without a timeout NCCL waits about ten minutes for a dead peer. (NCCL itself needs CUDA: a
     stand-in records what the group is built with.)"""
-    from nanovllm.utils import parallel
+    from nanovllm.utils import tp_group
 
     class FakeNCCL:
         class Options:
@@ -255,9 +255,9 @@ def test_nccl_group_has_a_timeout(monkeypatch):
         def __init__(self, store, rank, size, options=None):
             self.options = options
 
-    monkeypatch.setattr(parallel.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
-    group = parallel.TPGroup(None, 0, 2, "cuda")
-    assert group.pg.options is not None and group.pg.options._timeout == parallel.COLLECTIVE_TIMEOUT
+    monkeypatch.setattr(tp_group.dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    group = tp_group.TPGroup(None, 0, 2, "cuda")
+    assert group.pg.options is not None and group.pg.options._timeout == tp_group.COLLECTIVE_TIMEOUT
 
 
 class _DeadWorker:

@@ -18,11 +18,12 @@ from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device
 from nanovllm.utils.loader import load_model
-from nanovllm.utils.parallel import TPGroup, tensor_parallel
+from nanovllm.utils.parallel import tensor_parallel
 
 if TYPE_CHECKING:
     from nanovllm.engine.cuda_graphs import DecodeGraphs
     from nanovllm.layers.top_k_top_p import Redo
+    from nanovllm.utils.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class ModelRunner:
                    StepBatch.new_blocks; the scratch row points at the spare KV block.
     """
 
-    def __init__(self, config: Config, group: TPGroup | None = None, workers=None):
+    def __init__(self, config: Config, group: "TPGroup | None" = None, workers=None):
         self.config = config
         self.block_size = config.block_size
         self.workers = workers  # rank 0 with tensor parallelism: the processes of ranks 1..

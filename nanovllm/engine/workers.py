@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.utils.parallel import TPGroup
+from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
