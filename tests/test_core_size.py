@@ -13,7 +13,7 @@ import core_lines  # noqa: E402
 
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
 # 30); this is the figure as it stands, so that growth is a decision, not a drift.
-CORE_LINE_BUDGET = 3770
+CORE_LINE_BUDGET = 3740
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
 # recorder), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
@@ -24,7 +24,7 @@ OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
                    "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
                    "nanovllm.utils.hub", "nanovllm.utils.dummy_weights", "nanovllm.engine.cuda_graphs",
-                   "nanovllm.utils.tp_group")
+                   "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -238,8 +238,8 @@ def test_warmup_runs_on_every_rank(model_dir, prompts, reference):
     On CPU it is not part of start-up, so it is run here by hand, then the engine must still be exact."""
     with LLM(model_dir, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=300) as llm:
         runner = llm.model_runner
-        runner.workers.call("_warmup")
-        runner._warmup()
+        runner.workers.call("warmup")
+        runner.warmup()
         check(llm, model_dir, prompts[:4], reference)
 
 

@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 # On CPU there is no memory to measure: without num_kvcache_blocks the KV cache gets this many
 # bytes (capped, like the GPU's budget, at what max_num_seqs full-length sequences could use).
 CPU_KV_CACHE_BYTES = 2 << 30
-# The decode graphs' memory is measured by capturing the largest one; the ladder's other graphs
-# share its pool but each adds an executable and pool fragments the probe does not see: a margin.
-GRAPH_MEMORY_MARGIN = 1.25
 # A step's inputs travel in one int64 buffer, each part starting at a multiple of this many
 # elements (16 bytes): Triton specializes kernels on whether a pointer is 16-byte aligned, so a
 # part at an odd offset would compile another variant of every kernel that reads it.
@@ -230,34 +227,11 @@ class ModelRunner:
         most_useful = config.max_num_seqs * config.max_blocks_per_seq
         if self.device.type == "cpu":
             return min(CPU_KV_CACHE_BYTES // self.kv_block_bytes(), most_useful)
-        # CUDA: what the largest step needs besides the KV cache is measured by running it.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._warmup()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        graph_bytes = self._graph_memory() if self.use_graphs else 0
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * config.gpu_memory_utilization - used_by_others - peak - graph_bytes
-        return min(max(0, int(budget) // self.kv_block_bytes() - 1), most_useful)  # - 1: the spare block
+        from nanovllm.engine.gpu_memory import num_gpu_kv_blocks  # (CUDA's: loaded where memory is measured)
+        return min(num_gpu_kv_blocks(self), most_useful)
 
-    def _graph_memory(self) -> int:
-        """Device memory the decode CUDA graphs will hold, measured before the KV cache takes the
-        rest: the largest batch of each ladder (_probe_graphs) is captured once over a throwaway
-        cache of one sequence's blocks, and the drop in free memory (pools, static buffers, the
-        graphs) is what capture takes; GRAPH_MEMORY_MARGIN covers the smaller graphs."""
-        torch.cuda.empty_cache()
-        self._bind_kv_cache(self.config.max_blocks_per_seq)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        graphs = self._probe_graphs()
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        del graphs
-        self._bind_kv_cache(None)
-        torch.cuda.empty_cache()
-        return int(used * GRAPH_MEMORY_MARGIN)
-
-    def _probe_graphs(self) -> list["DecodeGraphs"]:
-        """The largest graph of each ladder the runner will capture (_graph_memory)."""
+    def probe_graphs(self) -> list["DecodeGraphs"]:
+        """The largest graph of each ladder the runner will capture (gpu_memory.py measures them)."""
         return [self._capture_graphs(largest_only=True)]
 
     def _allocate_kv_cache(self) -> int:
@@ -268,7 +242,7 @@ class ModelRunner:
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
                 f"{config.max_blocks_per_seq} that one sequence of max_model_len={config.max_model_len} "
                 f"tokens needs; raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
-        self._bind_kv_cache(num_blocks)
+        self.bind_kv_cache(num_blocks)
         return num_blocks
 
     def _smallest_over_ranks(self, count: int) -> int:
@@ -277,7 +251,7 @@ class ModelRunner:
             return count
         return int(self.group.all_reduce(torch.tensor([count], device=self.device), dist.ReduceOp.MIN).item())
 
-    def _bind_kv_cache(self, num_blocks: int | None):
+    def bind_kv_cache(self, num_blocks: int | None):
         """Allocate a KV cache of num_blocks usable blocks, bound to the layers (None: unbind, free it)."""
         self.kv_cache = None  # (the old one is freed before the new one is allocated)
         self.kv_cache = bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.config.kv_dtype,
@@ -286,7 +260,7 @@ class ModelRunner:
             self.block_tables[self.scratch_row] = num_blocks
 
     @torch.inference_mode()
-    def _warmup(self):
+    def warmup(self):
         """One forward at the largest step the scheduler can build, plus sampling at max_num_seqs rows."""
         config = self.config
         num_tokens = config.max_num_batched_tokens

@@ -75,9 +75,9 @@ class SpeculativeRunner(ModelRunner):
         if self.drafter is not None and self.use_graphs:
             self.drafter.capture_graphs(self, show_progress=True)  # (kept by the draft model)
 
-    def _probe_graphs(self) -> list[DecodeGraphs]:
+    def probe_graphs(self) -> list[DecodeGraphs]:
         k = self.config.speculative.num_speculative_tokens
-        graphs = super()._probe_graphs() + [self._capture_graphs(largest_only=True, query_len=1 + k)]
+        graphs = super().probe_graphs() + [self._capture_graphs(largest_only=True, query_len=1 + k)]
         if self.drafter is not None:
             graphs.append(self.drafter.capture_graphs(self, largest_only=True))
         return graphs
@@ -86,8 +86,8 @@ class SpeculativeRunner(ModelRunner):
         """A block's bytes, the draft model's part included (its cache has the same blocks)."""
         return super().kv_block_bytes() + (self.drafter.kv_block_bytes() if self.drafter is not None else 0)
 
-    def _bind_kv_cache(self, num_blocks: int | None):
-        super()._bind_kv_cache(num_blocks)
+    def bind_kv_cache(self, num_blocks: int | None):
+        super().bind_kv_cache(num_blocks)
         if self.drafter is not None:
             self.drafter.bind_kv_cache(num_blocks)
 
