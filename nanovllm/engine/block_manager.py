@@ -51,13 +51,9 @@ class BlockManager:
     contents until it is handed out again, so a later request with the same prefix can revive it.
     Free blocks are handed out least recently freed first (`self.free` is kept in that order).
 
-    With a host tier (num_host_blocks > 0, features/host_tier.py) a cached block about to be handed
-    out is first copied to the host (write-back on eviction), and a lookup that misses on the
-    device continues there: a host hit is copied back into a freshly allocated device block before
-    the step runs. A step's copies are queued in `offloads` (device block -> host slot), then
-    `reloads` (host slot -> device block: a block may be offloaded and reloaded into in one step),
-    and taken with take_copies(). A block's key is then on the device (hash_to_block), on the host
-    (host.entries), or both; in flight while its copy is queued."""
+    With a host tier (`host`, num_host_blocks > 0: features/host_tier.py) a cached block about to
+    be handed out is first offered to it (write-back on eviction), and a lookup that misses on the
+    device continues there: a host hit is copied back into a fresh device block before the step runs."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
         assert num_blocks > 0 and block_size > 0
@@ -68,8 +64,6 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.host = host_tier(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
         self.next_uid = 0  # the next block contents' id
-        self.offloads: list[tuple[int, int]] = []  # (device block, host slot), queued for the next step
-        self.reloads: list[tuple[int, int]] = []   # (host slot, device block)
         self.num_cached_tokens = 0  # cumulative prefix-cache hits, in tokens, both tiers
         self.num_queried_tokens = 0  # cumulative tokens looked up (full prompt blocks but the last token's)
         self.num_host_hit_tokens = 0  # of num_cached_tokens, those the host tier served
@@ -91,27 +85,15 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its old contents are about to be overwritten:
-            self._offload(block)                # the host tier keeps them
+            if self.host is not None:           # the host tier keeps them
+                self.host.offload(block)
         block.hash = block.token_ids = block.uid = block.parent_uid = None
         block.ref_count = 1
         return block_id
 
-    def _offload(self, block: Block):
-        """Queue a copy of a cached block's K/V to the host tier, unless it is there already."""
-        if self.host is None or block.hash in self.host.entries:
-            return
-        slot = self.host.reserve(block.hash, block.token_ids, block.uid, block.parent_uid)
-        if slot is not None:
-            self.offloads.append((block.block_id, slot))
-
     def take_copies(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The planned step's offloads (device block, host slot) and reloads, [n, 2] int32 each (or None)."""
-        offloads = np.array(self.offloads, dtype=np.int32) if self.offloads else None
-        reloads = np.array(self.reloads, dtype=np.int32) if self.reloads else None
-        self.offloads, self.reloads = [], []
-        if self.host is not None:
-            self.host.unpin()
-        return offloads, reloads
+        """The planned step's host-tier copies (HostTier.take_copies): offloads, reloads, or None each."""
+        return self.host.take_copies() if self.host is not None else (None, None)
 
     def _match_prefix(self, seq: Sequence) -> list[tuple[int, int | None, "HostEntry | None", list[int]]]:
         """The longest cached run of seq's full blocks, read-only: per block (key, device block id
@@ -162,7 +144,7 @@ class BlockManager:
         for h, block_id, entry, tokens in hits:
             if block_id is None:  # a host hit: a fresh device block, published as its reload is queued
                 block_id = self._take_free_block()
-                self.reloads.append((entry.slot, block_id))
+                self.host.reload(entry, block_id)
                 self._publish(self.blocks[block_id], h, tokens, entry.uid, entry.parent_uid)
             table.append(block_id)
         seq.block_table = table + [self._take_free_block() for _ in range(num_new)]
@@ -221,6 +203,6 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
                 if swap and block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-                    self._offload(block)
+                    self.host.offload(block)
         seq.block_table = []
         seq.block_hashes = []

@@ -61,12 +61,41 @@ class HostEntry:
 
 
 class HostTier:
+    """The host tier as the block manager sees it (block_manager.host): it looks a key up here when
+    the device misses (lookup, then use), offers each cached block it is about to hand out for other
+    tokens (offload), and queues the copy back of each host hit (reload). A step's copies are queued
+    in `offloads` (device block -> host slot), then `reloads` (host slot -> device block: a block may
+    be offloaded and reloaded into in one step), and taken with take_copies() for StepBatch. A key
+    is then on the device (hash_to_block), here (entries), or both; in flight while its copy is queued."""
+
     def __init__(self, num_slots: int):
         assert num_slots > 0
         self.num_slots = num_slots
         self.entries: OrderedDict[int, HostEntry] = OrderedDict()  # chained hash -> entry, least recently used first
         self.free_slots = list(range(num_slots - 1, -1, -1))       # (pop() hands out slot 0 first)
         self.pinned: set[int] = set()  # hashes whose slot a reload of the step being planned reads
+        self.offloads: list[tuple[int, int]] = []  # (device block, host slot), queued for the next step
+        self.reloads: list[tuple[int, int]] = []   # (host slot, device block)
+
+    def offload(self, block):
+        """Queue a copy of a cached device block's K/V here (block_manager.Block), unless it is here already."""
+        if block.hash in self.entries:
+            return
+        slot = self.reserve(block.hash, block.token_ids, block.uid, block.parent_uid)
+        if slot is not None:
+            self.offloads.append((block.block_id, slot))
+
+    def reload(self, entry: HostEntry, block_id: int):
+        """Queue the copy of a host hit into the device block given it (pinned by use() already)."""
+        self.reloads.append((entry.slot, block_id))
+
+    def take_copies(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The planned step's offloads (device block, host slot) and reloads, [n, 2] int32 each (or None)."""
+        offloads = np.array(self.offloads, dtype=np.int32) if self.offloads else None
+        reloads = np.array(self.reloads, dtype=np.int32) if self.reloads else None
+        self.offloads, self.reloads = [], []
+        self.unpin()
+        return offloads, reloads
 
     def lookup(self, h: int, token_ids: list[int], parent_uid: int | None) -> HostEntry | None:
         """The entry of key h if it holds these tokens after this parent (read-only)."""
