@@ -78,20 +78,13 @@ class SampledTokens:
             self.event.synchronize()
             self.wait_s = perf_counter() - start
         tokens = self.tokens.tolist()
-        chosen, top_values, top_ids = (t.tolist() if t is not None else None for t in self.logprobs or (None,) * 3)
+        chosen = self.logprobs[0].tolist() if self.logprobs is not None else None
         if self.redo_mask is not None and self.redo_mask.any():  # (rare: layers/top_k_top_p.py)
             self.corrected = self.redo.redraw_flagged(self.redo_mask, tokens, chosen)
         if self.logprobs is None:
             return tokens, None
-        dicts = []
-        for i, k in enumerate(self.num_logprobs):
-            if k is None:
-                dicts.append(None)
-                continue
-            d = dict(zip(top_ids[i][:k], top_values[i][:k])) if k else {}
-            d[tokens[i]] = chosen[i]
-            dicts.append(d)
-        return tokens, dicts
+        from nanovllm.features.logprobs import logprob_dicts  # (logprobs' layer: loaded when a row asks)
+        return tokens, logprob_dicts(tokens, chosen, *self.logprobs[1:], self.num_logprobs)
 
 
 @dataclass
