@@ -48,23 +48,14 @@ class Config:
         float8_e4m3fn, twice the tokens of bf16; each layer's K and V are divided by its k_scale /
         v_scale on store (1.0, or the checkpoint's model.layers.N.self_attn.k_scale / .v_scale)
         and dequantized inside the attention kernels. Backends "triton" and "torch" only.
-    speculative_config: speculative decoding, with vLLM's names: {"method": "ngram",
-        "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt
-        lookup), or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}
-        (a smaller model with the target's tokenizer; on rank 0 only), None: off. Each decoding
-        sequence proposes up to k drafts, one forward of the target checks them all
-        (features/speculative/rejection_sampler.py): greedy output is unchanged, sampled output
-        keeps the target's distribution. Speculative steps run synchronously.
-    quantization: "fp8" quantizes the linear layers' weights at load (per output channel; a
-        bf16/fp32 checkpoint); None reads the checkpoint's config.json (block-quantized FP8 and
-        AWQ int4 checkpoints load as they are; "fp8" or "awq" may then name the same method).
-        Embeddings, norms, MoE routers and the LM head stay unquantized (layers/quantization).
-    kv_offloading_size: GiB of host memory for a second tier of the prefix cache (vLLM's name),
-        over all tensor-parallel ranks together (each holds its shard of the same blocks); cached
-        blocks evicted from the device are kept there and reloaded on a later prefix hit. 0: off.
-        Not with a draft model (speculative_config "draft_model").
-    preemption_mode: "recompute" (a preempted sequence's blocks are freed and its tokens computed
-        again) or "swap" (kept in the host tier: needs kv_offloading_size > 0, enable_prefix_caching).
+    speculative_config: speculative decoding, with vLLM's names (README's "Speculative decoding";
+        features/speculative/config.py validates it): {"method": "ngram", "num_speculative_tokens": k, ...}
+        or {"method": "draft_model", "model": DRAFT_PATH, "num_speculative_tokens": k}; None: off.
+    quantization: "fp8" quantizes the linear layers' weights at load; None reads the checkpoint's
+        config.json (FP8 block and AWQ int4 checkpoints load as they are; layers/quantization).
+    kv_offloading_size: GiB of host memory, over all ranks, for a second tier of the prefix cache
+        (features/host_tier.py); 0: off.  preemption_mode: "recompute" (a preempted sequence's
+        tokens are computed again) or "swap" (its blocks kept in the host tier).
     """
     model: str
     device: str | None = None
