@@ -16,10 +16,11 @@ import core_lines  # noqa: E402
 CORE_LINE_BUDGET = 3700
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
-# recorder), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
+# recorder, sampled-token logprobs), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
 # top-k/top-p/min-p filters (loaded by the first request with one), the mixture-of-experts
-# families, the server, the Hub (a model named by a folder needs none of it), dummy weights, and
-# CUDA graphs (captured on CUDA only, as the CUDA attention backends are loaded there only).
+# families, the server, the Hub (a model named by a folder needs none of it), dummy weights, the
+# tensor-parallel workers and their group, and CUDA graphs and GPU memory sizing (CUDA only, as
+# the CUDA attention backends are loaded there only).
 OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization",
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
                    "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
