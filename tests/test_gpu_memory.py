@@ -18,9 +18,6 @@ class FakeRunner:
         self.config = SimpleNamespace(gpu_memory_utilization=0.5, max_blocks_per_seq=4)
         self.calls, self.free = [], 60 * GiB
 
-    def warmup(self):
-        self.calls.append("warmup")
-
     def kv_block_bytes(self):
         return GiB // 4
 
@@ -39,6 +36,7 @@ def test_the_kv_cache_gets_the_share_left_after_weights_peak_and_graphs(monkeypa
         runner = FakeRunner(use_graphs)
         cuda = torch.cuda
         # 100 GiB device, 60 free: 40 in use, of which this process reserved 30 (others: 10); peak step 5
+        monkeypatch.setattr(gpu_memory, "warmup", lambda runner: runner.calls.append("warmup"))
         monkeypatch.setattr(cuda, "empty_cache", lambda: None)
         monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device: None)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: 5 * GiB)

@@ -8,7 +8,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.features.host_tier import slot_runs
+from nanovllm.features.host_tier import gather_blocks, slot_runs
 from nanovllm.engine.step_batch import StepBatch
 
 SIZE_GIB = 0.001  # 1,073,741 bytes: 131 host blocks of the tiny model's 8 KiB (4 KiB per rank with TP=2)
@@ -162,7 +162,7 @@ def test_tp2_every_rank_copies_its_shard(model_dir):
         r.launch(copy_batch(rows=(0,), new_blocks=[(0, 0, [3, 4])], new_tokens=[(0, tokens)]), None)
         r.launch(copy_batch([(3, 0), (4, 1)]), None)
         r.launch(copy_batch(offloads=[(7, 2)], reloads=[(1, 6), (0, 7)]), None)  # 7: offloaded, then reloaded
-        parts = r.gather_blocks([3, 4, 6, 7], [0, 1, 2, 2])
+        parts = gather_blocks(r, [3, 4, 6, 7], [0, 1, 2, 2])
         assert len(parts) == 2
         for rank, both in enumerate(parts):
             device, host = both

@@ -14,6 +14,7 @@ import pytest
 from hf_reference import assert_greedy_matches_hf
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.gpu_memory import warmup
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.tiny_model import build_model
@@ -238,8 +239,8 @@ def test_warmup_runs_on_every_rank(model_dir, prompts, reference):
     On CPU it is not part of start-up, so it is run here by hand, then the engine must still be exact."""
     with LLM(model_dir, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=300) as llm:
         runner = llm.model_runner
-        runner.workers.call("warmup")
-        runner.warmup()
+        runner.workers.call(warmup)
+        warmup(runner)
         check(llm, model_dir, prompts[:4], reference)
 
 

@@ -252,37 +252,6 @@ class ModelRunner:
         if num_blocks is not None:
             self.block_tables[self.scratch_row] = num_blocks
 
-    @torch.inference_mode()
-    def warmup(self):
-        """One forward at the largest step the scheduler can build, plus sampling at max_num_seqs rows."""
-        config = self.config
-        num_tokens = config.max_num_batched_tokens
-        lens = [config.max_model_len] * (num_tokens // config.max_model_len)
-        if num_tokens % config.max_model_len:
-            lens.append(num_tokens % config.max_model_len)
-        cu = np.cumsum([0] + lens, dtype=np.int32)
-        rows = min(config.max_num_seqs, num_tokens)
-        context = Context(cu_seqlens_q_cpu=cu.tolist(), seq_lens_k_cpu=lens, max_seqlen_q=max(lens),
-                          max_seqlen_k=max(lens), cu_seqlens_q=to_device(cu, self.device),
-                          cu_seqlens_k=to_device(cu, self.device),
-                          seq_lens_k=to_device(np.array(lens, dtype=np.int32), self.device),
-                          logits_indices=torch.arange(num_tokens - rows, num_tokens, device=self.device))
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        with forward_context(context):
-            logits = self.model.compute_logits(self.model(input_ids, positions))
-        if logits is None:  # ranks above 0: the LM head gathered the logits to rank 0, which samples
-            return
-        ones = torch.ones(rows, device=self.device)
-        zeros = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        batch = SamplingBatch(temperatures=ones, seeds=zeros, positions=zeros, top_ks=zeros - 1, top_ps=ones,
-                              min_ps=ones * 0, num_logprobs=1)
-        # twice, the first one's result held: a step's Redo keeps its probabilities until the next
-        # step has sampled (SampledTokens.result), so two steps' worth can be alive at once
-        kept = self.sampler(logits, batch)
-        self.sampler(logits, batch)
-        del logits, kept
-
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, batch: StepBatch, sampling: SamplingInputs, defer_sampling: bool = False
@@ -492,15 +461,6 @@ class ModelRunner:
             return {}
         stacked = to_device(np.stack([a.astype(dtype, copy=False) for a in arrays.values()]), self.device)
         return dict(zip(arrays, stacked))
-
-    def gather_blocks(self, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
-        """(Tests) Each rank's shard of these device blocks and host slots: on rank 0 a CPU tensor
-        [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others, which rank 0 runs it on)."""
-        if self.workers is not None:
-            self.workers.call("gather_blocks", block_ids, slots)
-        both = self.host_copies.gather(block_ids, slots)
-        parts = self.group.gather(both) if self.group is not None else [both]
-        return [p.cpu() for p in parts] if parts is not None else None
 
     def attach_recorder(self, recorder):
         """Time every step's device work from now on (features/recorder.py's StepRecorder); None detaches."""

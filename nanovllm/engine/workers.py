@@ -56,8 +56,8 @@ def _worker_main(config: "Config", runner_class: type, rank: int, store_port: in
             break
         if message is None:
             break
-        method, args = message
-        getattr(runner, method)(*args)
+        method, args = message  # a ModelRunner method's name, or a function of the runner
+        method(runner, *args) if callable(method) else getattr(runner, method)(*args)
     group.shutdown()
 
 
@@ -131,8 +131,9 @@ class Workers:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) has died with exit code "
                                    f"{p.exitcode}; this LLM cannot continue: shut it down and create a new one")
 
-    def call(self, method: str, *args) -> int:
-        """Have every worker run `ModelRunner.<method>(*args)`; rank 0 then runs it itself.
+    def call(self, method, *args) -> int:
+        """Have every worker run `ModelRunner.<method>(*args)` (method: its name), or `method(runner,
+        *args)` (a module-level function); rank 0 then runs it itself.
         The call is pickled once for all workers; returns its size in bytes."""
         self.check_alive()
         message = pickle.dumps((method, args), pickle.HIGHEST_PROTOCOL)

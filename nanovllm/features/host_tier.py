@@ -257,3 +257,14 @@ class HostCopies:
             self.copy_stream.synchronize()
         device = self.kv_cache.permute(2, 0, 1, 3, 4, 5)[torch.tensor(block_ids, device=self.device)]
         return torch.stack([device, self.cache[torch.tensor(slots)].to(self.device)])
+
+
+def gather_blocks(runner, block_ids: list[int], slots: list[int]) -> list[torch.Tensor] | None:
+    """(Tests) Each rank's shard of these device blocks and host slots of a ModelRunner's host tier:
+    on rank 0 a CPU tensor [2 (device, host), n, 2, L, bs, Hkv, D] per rank (None on the others,
+    which rank 0 has run it on through its workers)."""
+    if runner.workers is not None:
+        runner.workers.call(gather_blocks, block_ids, slots)
+    both = runner.host_copies.gather(block_ids, slots)
+    parts = runner.group.gather(both) if runner.group is not None else [both]
+    return [p.cpu() for p in parts] if parts is not None else None
