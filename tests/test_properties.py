@@ -22,6 +22,7 @@ import nanovllm.engine.block_manager as block_manager_module
 from nanovllm.features.speculative.config import SpeculativeConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.features.speculative.scheduling import SpeculativeScheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
@@ -76,7 +77,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                               speculative=self.speculative, preemption_mode=self.preemption_mode)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
                                num_host_blocks=self.num_host_blocks)
-        self.sched = Scheduler(cfg, self.bm, eos_token_ids={EOS})
+        scheduler_class = SpeculativeScheduler if self.speculative is not None else Scheduler
+        self.sched = scheduler_class(cfg, self.bm, eos_token_ids={EOS})
         self.shared_prefixes = shared
         self.seqs: list[Sequence] = []   # every sequence ever created, forks included
         self.kv: dict[int, tuple] = {}   # fake KV cache: slot -> the token prefix its K/V were computed from
@@ -113,7 +115,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.check_structure()
             return
         batch = list(zip(planned.seqs, planned.starts, planned.num_new, planned.samples))
-        drafts_of_row = {row: drafts for row, _, drafts in planned.draft_tokens}
+        draft_tokens = planned.draft_tokens if self.speculative is not None else []  # (a SpeculativeStep's)
+        drafts_of_row = {row: drafts for row, _, drafts in draft_tokens}
         drafts = {s.seq_id: drafts_of_row.get(s.row, []) for s in planned.seqs}
 
         # Budgets.
@@ -156,7 +159,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         samplers = planned.sampling
         lengths = {s.seq_id: len(s.token_ids) for s in samplers}
-        if planned.draft_tokens:
+        if draft_tokens:
             runs = [drafts[s.seq_id][:draw_accepted(len(drafts[s.seq_id]))] + [draw_token()] for s in samplers]
             updated = sched.complete(planned, runs)
             for s, run in zip(samplers, runs):

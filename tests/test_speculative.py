@@ -83,12 +83,13 @@ def test_stops_inside_an_accepted_run_end_the_sequence_there(model_dir, plain, p
     expected = plain.generate(doubled, params, use_tqdm=False)
     with LLM(model_dir, max_model_len=MAX_LEN, speculative_config=ngram(4)) as llm:
         runs = []  # (the runs each sequence emitted: where its stop fell)
-        complete = llm.scheduler.speculation.complete
+        complete = llm.scheduler.complete
 
-        def recording(scheduler, step, emitted, logprobs):
-            runs.extend(zip(step.sampling, emitted))
-            return complete(scheduler, step, emitted, logprobs)
-        llm.scheduler.speculation.complete = recording
+        def recording(step, emitted, logprobs=None):
+            if step.drafts:
+                runs.extend(zip(step.sampling, emitted))
+            return complete(step, emitted, logprobs)
+        llm.scheduler.complete = recording
         got = llm.generate(doubled, params, use_tqdm=False)
     mid_run = sum(1 for seq, run in runs if seq.stop_reason in run[:-1] and seq.token_ids[-1] == seq.stop_reason)
     assert mid_run > 0, "no stop token fell inside an accepted run: the test tests nothing"

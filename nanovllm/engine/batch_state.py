@@ -54,15 +54,6 @@ class SamplingInputs:
     num_logprobs: list[int | None] | None = None  # per row: its SamplingParams.logprobs
     processors: "ProcessorInputs | None" = None  # penalties, min_tokens, logit_bias, grammars (Need.PROCESSORS)
 
-    def select(self, indices: np.ndarray) -> "SamplingInputs":
-        """The inputs of these rows alone (a draft model draws with them), logprobs left out."""
-        def pick(a):
-            return a[indices] if a is not None else None
-        return SamplingInputs(self.needs & ~Need.LOGPROBS, self.rows[indices], self.positions[indices],
-                              pick(self.seeds), pick(self.temperatures), pick(self.top_ks), pick(self.top_ps),
-                              pick(self.min_ps), processors=self.processors.select(indices)
-                              if self.processors is not None else None)
-
 
 class BatchState:
     """Row allocation, and the rows' sampling parameters: a [num_rows] array each, written by take_row()."""

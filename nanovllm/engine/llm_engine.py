@@ -78,10 +78,11 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = {self.tokenizer.eos_token_id}
         self.eos_token_ids = eos
-        runner_class = ModelRunner
-        if config.speculative is not None:  # the runner with the draft model and the verify step
+        runner_class, scheduler_class = ModelRunner, Scheduler
+        if config.speculative is not None:  # the scheduler that plans drafts; the runner that verifies them
             from nanovllm.features.speculative.runner import SpeculativeRunner  # (a layer: loaded when asked for)
-            runner_class = SpeculativeRunner
+            from nanovllm.features.speculative.scheduling import SpeculativeScheduler
+            runner_class, scheduler_class = SpeculativeRunner, SpeculativeScheduler
         workers = None
         if config.tensor_parallel_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
             from nanovllm.engine.workers import Workers  # (tensor parallelism's: loaded when asked for)
@@ -89,7 +90,7 @@ class LLMEngine:
         self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)
-        self.scheduler = Scheduler(config, self.block_manager, eos)
+        self.scheduler = scheduler_class(config, self.block_manager, eos)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for

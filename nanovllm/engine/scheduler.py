@@ -31,18 +31,10 @@ class ScheduledStep:
     fixed_tokens: list[tuple[int, int, int]] = field(default_factory=list)  # (row, position, token): see correct()
     undone: set[Sequence] = field(default_factory=set)  # sequences whose token here correct() dropped
     releases: int = 0  # Scheduler.num_releases when it was planned (complete() checks if any ended since)
-    drafts: dict[int, int] = field(default_factory=dict)  # speculative decoding: {index in the step: its drafts}
-    draft_tokens: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, position, n-gram drafts)
     prompt_logprobs: list[tuple[int, int, int, int]] = field(default_factory=list)  # see StepBatch
     constrained: bool = False  # some sequence has a grammar (structured outputs): complete() feeds it
     offloads: np.ndarray | None = None  # the host tier's copies before the forward (see StepBatch)
     reloads: np.ndarray | None = None
-
-    def add_drafts(self, row: int, position: int, num_drafts: int, draft_ids: list[int] | None):
-        """The sequence about to join verifies num_drafts drafts from position (draft_ids: the host's)."""
-        self.drafts[len(self.seqs)] = num_drafts
-        if draft_ids is not None:
-            self.draft_tokens.append((row, position, draft_ids))
 
     @property
     def num_new(self) -> list[int]:  # (the tokens each computes)
@@ -61,10 +53,6 @@ class ScheduledStep:
         batch = StepBatch(np.fromiter([seq.row for seq in self.seqs], np.int32, num_seqs),
                           np.fromiter(self.starts, np.int32, num_seqs), num_new, samples, self.new_blocks,
                           self.new_tokens, self.fixed_tokens)
-        if self.drafts:  # (speculative decoding: each sequence's drafts, verified in the step)
-            batch.num_drafts = np.zeros(num_seqs, dtype=np.int32)
-            batch.num_drafts[list(self.drafts)] = list(self.drafts.values())
-            batch.draft_tokens = self.draft_tokens
         batch.prompt_logprobs = self.prompt_logprobs
         batch.offloads, batch.reloads = self.offloads, self.reloads
         return batch
@@ -79,9 +67,10 @@ class Scheduler:
     prefilled in chunks over several steps. When a running sequence needs a block and none is
     free, the most recently admitted running sequence is preempted: its blocks are freed and it
     returns to the front of the waiting queue, to be recomputed (its cached blocks may revive).
-    With speculative decoding (its hook, `speculation`) a decoding sequence may also run draft
-    tokens, all of them verified in the step; the hook's complete() takes back the rejected ones.
+    (Speculative decoding's subclass, features/speculative/scheduling.py, plans drafts too.)
     """
+    Step = ScheduledStep   # what schedule() plans (a subclass's may hold more)
+    plans_decodes = False  # whether _schedule_one plans plain decodes too (else they are planned inline)
 
     def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
         self.max_num_seqs = config.max_num_seqs
@@ -99,10 +88,6 @@ class Scheduler:
         # partial block is recomputed); "recompute": they stay cached until reused
         self.swap_on_preemption = config.preemption_mode == "swap"
         self.token_fixes: list[tuple[Sequence, int, int]] = []  # correct()'s, for the next step to write
-        self.speculation = None  # speculative decoding's hook (features/speculative/scheduling.py), when asked for
-        if config.speculative is not None:
-            from nanovllm.features.speculative.scheduling import Speculation  # (a layer: loaded when asked for)
-            self.speculation = Speculation(config)
 
     def add(self, seq: Sequence):
         """Queue a request: its first sample, with the other samples riding on it (its forks)."""
@@ -127,13 +112,12 @@ class Scheduler:
         The step is committed as it is planned, so the next one can be planned before this one's
         results are in (overlap scheduling): its sequences' num_computed_tokens count its tokens,
         and each that samples counts the token it will sample in num_tokens."""
-        step = ScheduledStep(releases=self.num_releases)
+        step = self.Step(releases=self.num_releases)
         num_preemptions = self.num_preemptions
         budget = self._schedule(step, self.running, self.max_num_batched_tokens)
         # A step that preempted admits nobody: the memory it freed is the running sequences' to grow into.
         if self.num_preemptions == num_preemptions:
-            # (those admitted now do not draft: their growth would preempt from the end of `running`, where they are)
-            self._schedule(step, self._admit_waiting(step, budget), budget, propose=False)
+            self._schedule(step, self._admit_waiting(step, budget), budget, admitted=True)
         if not step.seqs:
             return None
         step.sampling = step.seqs if not step.chunks else [
@@ -152,23 +136,23 @@ class Scheduler:
         step.offloads, step.reloads = self.block_manager.take_copies()
         return step
 
-    def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, propose: bool = True) -> int:
-        """Put running sequences in the step, in order, while the token budget lasts: a decode's token
-        (and the speculation hook's drafts, unless propose=False), else a prefill's next chunk, in
-        new blocks where needed (_make_room, which preempts). Returns the budget left. A plain decode,
-        most of a step, is planned inline (a call per sequence would cost ~20 µs of a 256-sequence
-        step: scripts/bench_host.py); the rest in _schedule_one."""
+    def _schedule(self, step: ScheduledStep, seqs: list[Sequence], budget: int, admitted: bool = False) -> int:
+        """Put running sequences (admitted: those admitted in this step) in the step, in order, while
+        the token budget lasts: a decode's token, else a prefill's next chunk, in new blocks where
+        needed (_make_room, which preempts). Returns the budget left. A plain decode, most of a step,
+        is planned inline (a call per sequence would cost ~20 µs of a 256-sequence step:
+        scripts/bench_host.py); the rest in _schedule_one."""
         add_seq, add_start = step.seqs.append, step.starts.append  # (the step's one loop: bound once)
         block_size = self.block_size
-        drafts_of = self.speculation.propose if self.speculation is not None and propose else None
+        one_by_one = self.plans_decodes and not admitted
         for seq in seqs:  # (preemption pops from the end of `running`: the loop then ends sooner)
             if budget <= 0:
                 break
             num_tokens, start = seq.num_tokens, seq.num_computed_tokens
             if num_tokens >= seq.token_limit:
                 continue  # its last token is still in flight (overlap scheduling): nothing left to compute
-            if num_tokens - start > 1 or drafts_of is not None or seq.forks:
-                n = self._schedule_one(step, seq, budget, drafts_of)
+            if num_tokens - start > 1 or one_by_one or seq.forks:
+                n = self._schedule_one(step, seq, budget, admitted)
                 if n < 0:
                     break
                 budget -= n
@@ -183,21 +167,16 @@ class Scheduler:
                 step.filled.append((seq, len(seq.token_ids)))
         return budget
 
-    def _schedule_one(self, step: ScheduledStep, seq: Sequence, budget: int, drafts_of) -> int:
-        """Put seq in the step (a prefill chunk, or a decode with drafts or forks): returns the tokens
-        it computes, or -1 if it must wait (its drafts do not fit the budget, or it was preempted)."""
+    def _schedule_one(self, step: ScheduledStep, seq: Sequence, budget: int, admitted: bool,
+                      num_drafts: int = 0) -> int:
+        """Put seq in the step (a prefill chunk, a decode with forks; with num_drafts, a decode and its
+        drafts: admitted says if seq joined in this step, for the subclass that drafts): returns the
+        tokens it computes, or -1 if it must wait (it was preempted)."""
         num_tokens, start = seq.num_tokens, seq.num_computed_tokens
-        n, num_drafts = min(num_tokens - start, budget), 0
-        if num_tokens - start == 1 and drafts_of is not None:  # a decode may draft (speculative decoding)
-            num_drafts = drafts_of(seq, len(self.running), budget)
-            if num_drafts < 0:
-                return -1  # its drafts wait for the next step's budget (Speculation.propose)
-            n += num_drafts
+        n = min(num_tokens - start, budget) + num_drafts
         end = start + n
         if end > len(seq.block_table) * self.block_size and not self._make_room(step, seq, end):
             return -1
-        if num_drafts:
-            step.add_drafts(seq.row, num_tokens, num_drafts, seq.spec.draft_ids)
         samples = end == num_tokens + num_drafts  # (drafts as if accepted; the token is in flight till complete())
         seq.advance(end, samples)
         if n != 1 or not samples:
@@ -267,23 +246,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def sampling_inputs(self, step: ScheduledStep, batch: StepBatch) -> SamplingInputs:
-        """The sampling parameters of the step's sampling rows (in a speculative step, a sequence
-        with d drafts has d + 1 of them: one per draft it verifies, and the one after)."""
+        """The sampling parameters of the step's sampling rows (one per sampling sequence)."""
         ends = batch.starts + batch.num_new  # the position of the token each sequence samples
-        rows, seqs = batch.rows, step.sampling
+        rows = batch.rows
         if len(step.sampling) != len(step.seqs):
             rows, ends = rows[batch.samples], ends[batch.samples]
-        if batch.num_drafts is not None:  # (speculative decoding: a row per draft too)
-            rows, ends, seqs = self.speculation.sampling_rows(batch, rows, ends, seqs)
-        return self.batch_state.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), seqs)
+        return self.batch_state.sampling_inputs(rows.astype(np.int64), ends.astype(np.int64), step.sampling)
 
     # ---- accounting for a step ----------------------------------------------------------------
     def complete(self, step: ScheduledStep, tokens: list, logprobs: list | None = None) -> list[Sequence]:
         """Account for a launched step whose sampled tokens are in (one per sampling sequence, in
-        order; `logprobs` their dicts): append them, finish those that stop, and return those that got
-        one. (A speculative step's tokens are runs, one per sequence: the speculation hook's.)"""
-        if step.drafts:
-            return self.speculation.complete(self, step, tokens, logprobs)
+        order; `logprobs` their dicts): append them, finish those that stop, and return those that got one."""
         seqs, tokens, logprobs = self._drop_finished(step, tokens, logprobs)
         may_stop = self.append_tokens(seqs, tokens, logprobs)
         if step.constrained:  # structured outputs' hook (the step's own flag: one preempted since gets its token too)

@@ -46,7 +46,8 @@ class StepRecorder:
         step_s, self._last = now - self._last, now
         step = done.step
         num_tokens = sum(step.num_new)
-        drafts = [step.drafts.get(i, 0) for i in range(len(step.seqs))]  # (a speculative decode: 1 + its drafts)
+        step_drafts = getattr(step, "drafts", {})  # (a SpeculativeStep's: {index: its drafts})
+        drafts = [step_drafts.get(i, 0) for i in range(len(step.seqs))]  # (a speculative decode: 1 + its drafts)
         kind = "decode" if all(n == 1 + d for n, d in zip(step.num_new, drafts)) else "prefill"
         self.totals[f"{kind}_tokens"] += num_tokens
         self.totals[f"{kind}_time_s"] += step_s
@@ -54,13 +55,13 @@ class StepRecorder:
         if self.records is not None:
             num_decode = sum(n for samples, n, start, d in zip(step.samples, step.num_new, step.starts, drafts)
                              if samples and n == 1 + d and start > 0)  # (a speculative decode: its drafts too)
-            emitted = sum(map(len, tokens)) if step.drafts else len(tokens)
+            emitted = sum(map(len, tokens)) if step_drafts else len(tokens)
             stats = engine.stats()
             self.records.append({
                 "start": now - step_s, "step_s": step_s,
                 "host_s": max(0.0, step_s - self._device_s - done.sampled.wait_s),
                 "num_seqs": len(step.seqs), "prefill_tokens": num_tokens - num_decode, "decode_tokens": num_decode,
-                "draft_tokens": sum(step.drafts.values()), "emitted_tokens": emitted,
+                "draft_tokens": sum(step_drafts.values()), "emitted_tokens": emitted,
                 "used_blocks": stats["num_blocks"] - stats["num_free_blocks"], "preemptions": stats["num_preemptions"]})
         self._device_s = 0.0
 

@@ -14,8 +14,7 @@ def engine_stats(engine) -> dict:
     speculative decoding's, the prompt tokens each cache tier was asked for and served, and the
     host tier's blocks and rank 0's copies (bytes each way, seconds)."""
     bm, scheduler = engine.block_manager, engine.scheduler
-    speculation = scheduler.speculation
-    spec = speculation.stats if speculation is not None else SpecCounts()
+    spec = scheduler.spec_stats if engine.config.speculative is not None else SpecCounts()
     device_hits = bm.num_cached_tokens - bm.num_host_hit_tokens
     host_copies = engine.model_runner.host_copies
     copies = host_copies.stats() if host_copies is not None else NO_COPIES

@@ -37,6 +37,16 @@ from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import tensor_parallel
 
 
+def select_rows(inputs: SamplingInputs, indices: np.ndarray) -> SamplingInputs:
+    """The sampling inputs of these rows alone (the draft model draws with them), logprobs left out."""
+    def pick(a):
+        return a[indices] if a is not None else None
+    return SamplingInputs(inputs.needs & ~Need.LOGPROBS, inputs.rows[indices], inputs.positions[indices],
+                          pick(inputs.seeds), pick(inputs.temperatures), pick(inputs.top_ks), pick(inputs.top_ps),
+                          pick(inputs.min_ps), processors=inputs.processors.select(indices)
+                          if inputs.processors is not None else None)
+
+
 class ClampedInputs(torch.nn.Module):
     """A draft model with a smaller embedding table than the target's (padded less), fed the
     target's token ids: an id past its table (a padding row of the target's, which a trained model
@@ -138,7 +148,7 @@ class DraftModel:
         logits = logits[:, :vocab]
         if logits.shape[1] < vocab:  # (a draft whose embedding table is padded less: q is 0 past it)
             logits = torch.nn.functional.pad(logits, (0, vocab - logits.shape[1]), value=float("-inf"))
-        inputs = sampling.select(target_rows)
+        inputs = select_rows(sampling, target_rows)
         sbatch = runner.sampling_batch(inputs, vocab)
         probs, argmax = target_probs(logits, sbatch)
         if probs is None:
