@@ -168,7 +168,7 @@ def measure(path: str, block_size: int, prompt_lens: list[int], steps: int, mode
 
     model.forward = forward
     if mode == "stub":
-        model.compute_logits = lambda h: torch.zeros(len(get_context().logits_indices), vocab)  # sampling rows
+        model.compute_logits = lambda h: torch.zeros(len(h[get_context().logits_indices]), vocab)  # sampling rows
         llm.model_runner.sampler.forward = lambda logits, batch: (zero_tokens(logits), None, None)
     try:
         llm.generate(make_prompts(prompt_lens, vocab), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),

@@ -15,7 +15,8 @@ class Context:
     slot_mapping  [T]   int64  cache slot of each new token: block_table[p // bs] * bs + p % bs
     block_tables  [B, W] int32 physical block ids, padded with -1; None when no sequence has cached
                                context, so attention can read the new K/V directly
-    logits_indices [S]  int64  rows whose hidden state is turned into logits (sampling sequences)
+    logits_indices [S]  int64  rows whose hidden state is turned into logits (sampling sequences),
+                               or slice(0, S) when they are the first S rows (a view, no gather)
     decode_only   every sequence computes exactly one token (CUDA graphs and decode kernels apply)
     padded_batch  decode steps: B rounded up to the CUDA-graph ladder (cuda_graphs.padded_batch_size),
                   whether or not this step replays a graph; 0 = not given (B itself)
@@ -31,7 +32,7 @@ class Context:
     max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
-    logits_indices: torch.Tensor | None = None
+    logits_indices: torch.Tensor | slice | None = None
     decode_only: bool = False
     padded_batch: int = 0
     max_model_len: int = 0
