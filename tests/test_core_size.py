@@ -13,7 +13,7 @@ import core_lines  # noqa: E402
 
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
 # 30); this is the figure as it stands, so that growth is a decision, not a drift.
-CORE_LINE_BUDGET = 3700
+CORE_LINE_BUDGET = 3627
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
 # recorder, sampled-token logprobs), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
