@@ -202,7 +202,8 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
 
 def run_nanovllm(args, path, prompts, max_tokens):
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy" if args.dummy else "auto",
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              # (never more rows than requests: each size of the CUDA-graph ladder up to it is captured)
+              max_model_len=args.max_model_len, max_num_seqs=min(args.max_num_seqs, args.num_seqs),
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
               num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling,
@@ -285,26 +286,36 @@ def hf_continuous(model, prompts, max_tokens, time_limit):
 @torch.inference_mode()
 def hf_static(model, prompts, max_tokens, batch_size, time_limit, device, show_progress):
     """Static batches through `generate`, left-padded; counts only the tokens each request asked
-    for (a batch runs until its longest request is done)."""
+    for (a batch runs until its longest request is done), or, past time_limit, those generated
+    (generate's max_time stops a batch there; the first one starts whatever the limit, and makes a
+    token at least)."""
     from tqdm.auto import tqdm
     tokens, capped, start = 0, False, time.perf_counter()
     order = range(0, len(prompts), batch_size)
     for i in tqdm(order, desc="HF generate", disable=not show_progress):
-        if i > 0 and time.perf_counter() - start > time_limit:  # the first batch always runs
+        left = max(0.0, time_limit - (time.perf_counter() - start))
+        if i > 0 and left == 0:
             capped = True
             break
         batch, wanted = prompts[i:i + batch_size], max_tokens[i:i + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
-                       max_new_tokens=max(wanted), min_new_tokens=max(wanted), eos_token_id=None, pad_token_id=0)
-        tokens += sum(wanted)
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+                             max_new_tokens=max(wanted), min_new_tokens=max(wanted), eos_token_id=None, pad_token_id=0,
+                             max_time=left if left != float("inf") else None)
+        generated = out.shape[1] - width
+        tokens += sum(min(n, generated) for n in wanted)
+        if generated < max(wanted):  # (stopped by max_time)
+            capped = True
+            break
     sync(device)
     return tokens, time.perf_counter() - start, capped, f"generate, static batches of {batch_size}"
 
 
 def run_hf(args, path, prompts, max_tokens, device):
+    if device == "cuda":  # (what the engine's allocator still caches would otherwise look used to HF)
+        torch.cuda.empty_cache()
     model = hf_model(args, path, device)
     result = None
     if device == "cuda" and hasattr(model, "init_continuous_batching"):
@@ -332,7 +343,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the engine's (float32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=512, help="at most --num-seqs is used")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--attention-backend", choices=["flash_attn", "triton", "torch"])
     p.add_argument("--enforce-eager", action="store_true")

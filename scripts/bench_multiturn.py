@@ -49,9 +49,10 @@ def run(args, path: str, host_gib: float) -> dict:
     # the device cache holds this fraction of all histories (at least one longest request)
     longest = args.system_len + args.turns * (args.question_len + args.answer_len)
     device_blocks = max(int(blocks * args.device_cache_fraction), -(-longest // block_size) + 1)
+    # (one request at a time: max_num_seqs=1, one CUDA graph)
     llm = LLM(path, device=args.device, load_format="dummy", kvcache_block_size=block_size,
               num_kvcache_blocks=device_blocks, max_model_len=longest + block_size, kv_offloading_size=host_gib,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, max_num_seqs=1)
     system, questions = conversations(args, llm.config.hf_config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=args.answer_len, ignore_eos=True)
     history = [list(system) for _ in questions]
@@ -99,7 +100,8 @@ def main(argv=None):
     args = parse_args(argv)
     path = write_dummy_config(args.dummy)
     if args.host_gib is None:  # every history fits: what the target compares
-        probe = LLM(path, device=args.device, load_format="dummy", num_kvcache_blocks=64, max_model_len=64)
+        probe = LLM(path, device=args.device, load_format="dummy", num_kvcache_blocks=64, max_model_len=64,
+                    max_num_seqs=1, enforce_eager=True)  # (only its block size is read)
         args.host_gib = 2 * total_history_tokens(args) / 16 * probe.model_runner.kv_block_bytes() / GIB + 1e-3
         probe.shutdown()
         del probe
@@ -125,4 +127,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main()["computed_ratio"] > 1 else 1)  # (fails if the host tier saved no prefill)

@@ -1,43 +1,139 @@
 #!/usr/bin/env bash
-# Everything the lent GPU machine should run, in one go and in under 8 minutes, so that a second
-# try of one step still fits in a 15-minute device session:
-#   1. the gpu-marked tests, then the Triton kernel tests (compiled, on GPU tensors); the first
-#      failing (or hanging) test is run once more alone with CUDA_LAUNCH_BLOCKING=1, so that a
-#      CUDA error is reported at the launch that caused it,
-#   2. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens),
-#   3. bench.py on the default workload, with the Hugging Face baseline capped in time, then
-#      again with the synchronous loop (--no-async-scheduling) to show what overlap buys,
-#   4. a short bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with
-#      CUDA graphs, at its serving shape, when the GPU has the memory,
-#   5. batch-1 greedy decode of a repetitive prompt, with and without n-gram speculation, and with a
-#      draft model equal to the target (the mechanism's bound: every draft accepted),
-#   6. quantization: the GEMM micro-benchmark (bf16, block FP8, AWQ), the decode kernel over an
-#      FP8 KV cache, and one short bench.py workload in bf16, fp8 (online), an FP8 block
-#      checkpoint's shape, an AWQ checkpoint's shape and with an FP8 KV cache,
-#   7. the multi-turn benchmark of the prefix cache's host tier, off and on, at the 0.6B shape.
-# A one-line summary per step (pass/fail, seconds) ends the log; the exit status is 0 only if
-# every step that ran passed.
-# Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
-# The log goes to $OUT/gpu_check.log ($OUT is the device tool's output folder; elsewhere it
-# defaults to /tmp/gpu_check).
+# Everything the lent GPU machine should run, in one try: every step runs whatever an earlier one
+# did, each in a time box, and the log ends with one verdict line per step (PASS, FAIL, TIME or
+# SKIP, with its seconds). The boxes are the STEPS table below and add up to at most MAX_BOXES_S
+# (360 s: 6 minutes, so a second try still fits in a 15-minute device session);
+# `bash scripts/gpu_check.sh --plan` prints them with their sum and exits (tests/test_gpu_check.py).
 #
-# Time boxes (seconds), 585 in all: gpu tests 80, Triton kernel tests 90, the one-test rerun 30,
-# decode micro-benchmark 20, bench.py vs HF 75, synchronous bench.py 40, MoE bench.py 60,
-# batch-1 decode without speculation, with n-gram and with draft-model speculation 20 each,
-# quantized GEMM and fp8-KV decode micro-benchmarks 12 each, the five short quantization
-# bench.py runs 20 each, the multi-turn host-tier benchmark 25.
-# A step that reaches its box gets SIGINT (pytest then still prints its failures, durations and
-# the test it was in; python prints a traceback), and SIGKILL 15 s later if it is still running.
-# Each box is also cut to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 585, so
-# the script ends within 10 minutes whatever happens; a smaller one makes a quick dry run); a
-# step with under MIN_STEP_S left is skipped and reported so.
+#   1. the gpu-marked tests, then the Triton kernel tests (compiled, on GPU tensors; in 4 processes
+#      with pytest-xdist where it is there, so that cold compiles overlap); neither stops at a
+#      failure, each test has its own time limit (pytest-timeout, else faulthandler_timeout),
+#   2. the tests that failed there (up to 3; not those that ran out of time) once more, with
+#      CUDA_LAUNCH_BLOCKING=1, so that a CUDA error is reported at the launch that caused it,
+#   3. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens; fails if
+#      the kernel differs from the reference or its CUDA-graph replay from eager),
+#   4. bench.py on the default workload against Hugging Face (capped in time), then the synchronous
+#      loop (--no-async-scheduling: what overlap buys),
+#   5. bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with CUDA graphs, at
+#      its serving shape, when the GPU has the memory,
+#   6. batch-1 greedy decode of a repetitive prompt, plain, with n-gram speculation, and with a draft
+#      model equal to the target (every draft accepted: the mechanism's bound),
+#   7. quantization: the GEMM micro-benchmark (bf16, block FP8, AWQ), the decode kernel over an FP8
+#      KV cache, and one short bench.py workload in bf16, fp8 (online), an FP8 block checkpoint's
+#      shape, an AWQ checkpoint's shape and with an FP8 KV cache,
+#   8. the multi-turn benchmark of the prefix cache's host tier, off and on (fails if the tier
+#      saves no prefill).
+# bench.py sizes max_num_seqs to its workload (the CUDA-graph ladder it captures with it).
+# A step that reaches its box gets SIGINT (pytest then still prints its summary; python a
+# traceback), SIGKILL KILL_AFTER_S later. The exit status is 0 only if every step passed.
+# Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
+# The log goes to $OUT/gpu_check.log ($OUT: the device tool's output folder; else /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/gpu_check}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-585}
+# (COLUMNS: pytest cuts its summary lines to the terminal's width, a time-out's reason with them)
+export PYTHONPATH=. PYTHONUNBUFFERED=1 COLUMNS=400
+MAX_BOXES_S=360
 MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
-KILL_AFTER_S=15        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
+KILL_AFTER_S=10        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
+TEST_TIMEOUT_S=30      # each test's own limit
+MAX_RERUNS=3
+
+# ---- the steps: box (s), function, name --------------------------------------------------------
+# (estimates: no step has run on a GPU yet; a step's verdict TIME says which box to widen)
+STEPS=(
+  "50 gpu_tests gpu-marked tests"
+  "40 kernel_tests Triton kernel tests on the GPU"
+  "15 rerun_failures failed tests again, CUDA_LAUNCH_BLOCKING=1"
+  "10 decode_kernel decode kernel micro-benchmark (vs reference, graph vs eager)"
+  "60 bench_hf bench.py default workload vs HF"
+  "35 bench_sync bench.py default workload, synchronous loop"
+  "35 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
+  "10 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
+  "10 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
+  "10 batch1_draft bench.py batch-1, draft model = target (k=4)"
+  "8 quant_gemm quantized GEMM micro-benchmark"
+  "8 fp8_kv_decode decode kernel micro-benchmark, fp8 KV cache"
+  "10 quant_bf16 bench.py short workload, bf16"
+  "10 quant_fp8 bench.py short workload, quantization=fp8 (online)"
+  "10 quant_fp8_block bench.py short workload, FP8 block checkpoint shape"
+  "10 quant_awq bench.py short workload, AWQ checkpoint shape"
+  "10 quant_fp8_kv bench.py short workload, fp8 KV cache"
+  "15 multiturn bench_multiturn.py qwen3-0.6b, host tier off and on"
+)
+BOXES_S=0
+for entry in "${STEPS[@]}"; do BOXES_S=$((BOXES_S + ${entry%% *})); done
+if [[ ${1:-} == --plan ]]; then
+  for entry in "${STEPS[@]}"; do
+    read -r box fn name <<<"$entry"
+    printf '%4s s  %s\n' "$box" "$name"
+  done
+  printf '%4s s  in all (at most %s)\n' "$BOXES_S" "$MAX_BOXES_S"
+  ((BOXES_S <= MAX_BOXES_S))
+  exit
+fi
+((BOXES_S <= MAX_BOXES_S)) || { echo "the boxes add up to $BOXES_S s, over $MAX_BOXES_S"; exit 2; }
+
+# ---- what the steps run --------------------------------------------------------------------------
+PYTEST=(python3 -m pytest -v -rfE --durations=10)
+if python3 -c "import pytest_timeout" 2>/dev/null; then
+  PYTEST+=(--timeout "$TEST_TIMEOUT_S")
+else  # (dumps every thread's traceback at the limit; the box still ends the step)
+  PYTEST+=(-o "faulthandler_timeout=$TEST_TIMEOUT_S")
+fi
+XDIST=()
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+BATCH1=(python3 bench.py --num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 256
+        --max-output-len 256 --repetitive --temperature 0 --json)
+QUANT=(python3 bench.py --num-seqs 64 --max-input-len 512 --max-output-len 128 --json)
+failed_tests=()        # real failures of the pytest steps (not time-outs), for rerun_failures
+
+note_failures() {      # the FAILED/ERROR ids of the step's short summary, time-outs left out
+  local id
+  while read -r id; do
+    ((${#failed_tests[@]} < MAX_RERUNS)) && failed_tests+=("$id")
+  done < <(grep -E '^(FAILED|ERROR) tests/[^ ]+::' "$step_log" | grep -v ' - Failed: Timeout' | awk '{print $2}')
+}
+gpu_tests() {
+  # only the files that have gpu-marked tests: an optional package the image lacks (a collection
+  # error in another file) must not cost the step
+  mapfile -t files < <(grep -l "mark.gpu" tests/test_*.py)
+  "${PYTEST[@]}" -m gpu "${files[@]}"
+}
+kernel_tests() {
+  "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py tests/test_quant_kernels.py
+}
+rerun_failures() {
+  ((${#failed_tests[@]})) || { echo "no test failed: nothing to rerun"; return 0; }
+  env CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" "${failed_tests[@]}"
+}
+decode_kernel() { python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph; }
+bench_hf() { python3 bench.py --compare hf --hf-time-limit 15 --json; }
+bench_sync() { python3 bench.py --no-async-scheduling --json; }
+bench_moe() {
+  if ! python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 80e9)"; then
+    echo "needs a GPU with 80 GB or more"; return 3
+  fi
+  python3 bench.py --dummy qwen3-30b-a3b --num-seqs 64 --max-input-len 512 --max-output-len 128 --json
+}
+batch1_plain() { "${BATCH1[@]}"; }
+batch1_ngram() { "${BATCH1[@]}" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'; }
+batch1_draft() {
+  "${BATCH1[@]}" --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
+}
+quant_gemm() { python3 scripts/bench_quant_gemm.py; }
+fp8_kv_decode() { python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --kv-cache-dtype fp8; }
+quant_bf16() { "${QUANT[@]}"; }
+quant_fp8() { "${QUANT[@]}" --quantization fp8; }
+quant_fp8_block() { "${QUANT[@]}" --dummy qwen3-0.6b-fp8; }
+quant_awq() { "${QUANT[@]}" --dummy qwen3-0.6b-awq; }
+quant_fp8_kv() { "${QUANT[@]}" --kv-cache-dtype fp8; }
+multiturn() {
+  python3 scripts/bench_multiturn.py --dummy qwen3-0.6b --device cuda --conversations 8 --turns 4 \
+    --system-len 1024 --question-len 128 --answer-len 32
+}
+
+# ---- running them --------------------------------------------------------------------------------
+OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 exec 3>&1 4>&2         # the script's own stdout/stderr, restored at the end so that tee sees EOF
 exec > >(tee "$OUT/gpu_check.log") 2>&1
@@ -45,103 +141,54 @@ tee_pid=$!
 start_all=$SECONDS
 status=0
 summary=()
-step_log=$(mktemp)     # the output of the step running now (to find a failing test's id)
-reran=0
+step_log=$(mktemp)     # the output of the step running now (its failing tests' ids)
 
-run() {  # run NAME BOX_S CMD...: time-boxed, never stops the script; sets step_rc
-  local name=$1 box=$2; shift 2
-  local left=$((BUDGET_S - (SECONDS - start_all)))
+run() {  # run BOX_S FUNCTION NAME: time-boxed, never stops the script
+  local box=$1 fn=$2 name=$3
+  local left=$((BOXES_S - (SECONDS - start_all)))
   if ((left < MIN_STEP_S)); then
-    echo "=== $name: skipped, $((left > 0 ? left : 0)) s left of the ${BUDGET_S} s budget"
+    echo "=== $name: skipped, $((left > 0 ? left : 0)) s left of the ${BOXES_S} s of boxes"
     summary+=("$(printf '%-5s %5s  %s (out of time)' SKIP - "$name")")
-    status=1 step_rc=-1
+    status=1
     return
   fi
-  local limit=$((box < left ? box : left))
-  echo "=== $name (box ${limit} s): $*"
-  local start=$SECONDS
-  timeout -s INT -k "$KILL_AFTER_S" "$limit" "$@" 2>&1 | tee "$step_log"
-  step_rc=${PIPESTATUS[0]}
+  local limit=$((box < left ? box : left))  # (a step that ended early leaves its time to the later ones)
+  echo "=== $name (box ${limit} s)"
+  local start=$SECONDS rc
+  # (the function in a bash of its own, so that the box's signals reach everything it started)
+  timeout -s INT -k "$KILL_AFTER_S" "$limit" bash -c "$(declare -p PYTEST XDIST BATCH1 QUANT failed_tests step_log \
+    MAX_RERUNS); $(declare -f "$fn"); $fn" 2>&1 | tee "$step_log"
+  rc=${PIPESTATUS[0]}
   local took=$((SECONDS - start)) verdict=PASS
-  if ((step_rc == 124 || step_rc == 137)); then
+  if ((rc == 124 || rc == 137)); then
     verdict=TIME
-  elif ((step_rc != 0)); then
+  elif ((rc == 3)); then
+    verdict=SKIP
+  elif ((rc != 0)); then
     verdict=FAIL
   fi
-  echo "=== $name: $verdict (exit $step_rc) in $took s"
-  summary+=("$(printf '%-5s %4ss  %s%s' "$verdict" "$took" "$name" "$( ((step_rc)) && echo " (exit $step_rc)")")")
-  ((step_rc == 0)) || status=1
+  [[ $fn == gpu_tests || $fn == kernel_tests ]] && note_failures
+  echo "=== $name: $verdict (exit $rc) in $took s"
+  summary+=("$(printf '%-5s %4ss  %s%s' "$verdict" "$took" "$name" "$( ((rc)) && echo " (exit $rc)")")")
+  ((rc == 0 || rc == 3)) || status=1
 }
 
-rerun_first_failure() {  # after a failed pytest step: its first failing test, or the one it hung in, alone
-  ((step_rc > 0 && !reran)) || return 0
-  local test
-  # -v prints "tests/x.py::name[params] FAILED"; a test stopped by the SIGINT has no verdict after its id
-  test=$(grep -m1 -oE '^tests/[^ ]+::[^ ]+ (FAILED|ERROR)' "$step_log" | cut -d' ' -f1)
-  [[ -n $test ]] || test=$(grep -oE '^tests/[^ ]+::[^ ]+' "$step_log" | tail -n1)
-  if [[ -z $test ]]; then
-    echo "=== no failing test id in that step's output (a collection error?): nothing to rerun"
-    return 0
-  fi
-  reran=1
-  run "rerun of $test, CUDA_LAUNCH_BLOCKING=1" 30 \
-    env CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -v -x -rs --durations=15 "$test"
-}
-
-PYTEST=(python3 -m pytest -v -x -rs --durations=15)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "=== nvidia-smi failed"
 python3 - <<'EOF'
 import importlib.util, signal, sys
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited (a background job without job control)
     print("=== WARNING: SIGINT is ignored here, so Python installs no KeyboardInterrupt handler: a step that "
-          "reaches its time box is killed 15 s later without pytest's summary (the -v lines still name its test)")
+          "reaches its box is killed without pytest's summary (the -v lines still name its test)")
 print("python", sys.version.split()[0], *(f"{m} {getattr(importlib.import_module(m), '__version__', '?')}"
-      if importlib.util.find_spec(m) else f"{m} missing" for m in ("torch", "triton", "transformers")))
+      if importlib.util.find_spec(m) else f"{m} missing"
+      for m in ("torch", "triton", "transformers", "pytest_timeout", "xdist")))
 EOF
-# Only the files that have gpu-marked tests: with -x, a collection error in any other file (an
-# optional package the image lacks) would stop the step before its first test.
-mapfile -t gpu_test_files < <(grep -l "mark.gpu" tests/test_*.py)
-run "gpu tests" 80 "${PYTEST[@]}" -m gpu "${gpu_test_files[@]}"
-rerun_first_failure
-# ~70-90 kernel variants to compile on a cold Triton cache, a second or two each; the gpu-marked
-# tests of these files ran in the step above
-run "triton kernels on the GPU" 90 "${PYTEST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py \
-  tests/test_quant_kernels.py
-rerun_first_failure
-run "decode kernel micro-benchmark" 20 python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
-# start-up + warm-up + ~20 s timed run, then HF: loading, and 20 s of generation at most;
-# the summary includes the GPU idle share between decode steps (CUDA events)
-run "bench.py default workload vs HF" 75 python3 bench.py --compare hf --hf-time-limit 20 --json
-run "bench.py default workload, synchronous loop" 40 python3 bench.py --no-async-scheduling --json
-if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 80e9)" 2>/dev/null; then
-  # the serving shape: 64 sequences, CUDA graphs on (decode replays the fused MoE kernel)
-  run "bench.py qwen3-30b-a3b (MoE, CUDA graphs)" 60 python3 bench.py --dummy qwen3-30b-a3b --num-seqs 64 \
-    --max-input-len 512 --max-output-len 128 --max-num-seqs 64 --json
-else
-  echo "=== bench.py qwen3-30b-a3b (MoE) skipped: it needs a GPU with 80 GB or more"
-  summary+=("$(printf '%-5s %5s  %s' SKIP - "bench.py qwen3-30b-a3b (MoE): needs a GPU with 80 GB or more")")
-fi
-BATCH1=(python3 bench.py --num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 512
-        --max-output-len 512 --repetitive --temperature 0 --json)
-run "bench.py batch-1 greedy decode, repetitive prompt" 20 "${BATCH1[@]}"
-run "bench.py batch-1 greedy decode, repetitive prompt, n-gram speculation (k=4)" 20 "${BATCH1[@]}" \
-  --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
-run "bench.py batch-1 greedy decode, draft model = target (k=4)" 20 "${BATCH1[@]}" \
-  --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
-run "quantized GEMM micro-benchmark" 12 python3 scripts/bench_quant_gemm.py
-run "decode kernel micro-benchmark, fp8 KV cache" 12 python3 scripts/bench_decode_attention.py --batch 256 \
-  --context 1024 --kv-cache-dtype fp8
-# one short workload (64 sequences) per scheme, the bf16 run first as their baseline
-QUANT=(python3 bench.py --num-seqs 64 --max-input-len 512 --max-output-len 256 --json)
-run "bench.py short workload, bf16" 20 "${QUANT[@]}"
-run "bench.py short workload, quantization=fp8 (online, per channel)" 20 "${QUANT[@]}" --quantization fp8
-run "bench.py short workload, FP8 block checkpoint shape" 20 "${QUANT[@]}" --dummy qwen3-0.6b-fp8
-run "bench.py short workload, AWQ checkpoint shape" 20 "${QUANT[@]}" --dummy qwen3-0.6b-awq
-run "bench.py short workload, fp8 KV cache" 20 "${QUANT[@]}" --kv-cache-dtype fp8
-# the host tier: multi-turn chat of the 0.6B shape, the tier off and on (its copies on the copy stream)
-run "bench_multiturn.py qwen3-0.6b, host tier off and on" 25 python3 scripts/bench_multiturn.py --dummy qwen3-0.6b \
-  --device cuda --conversations 16 --turns 6 --system-len 1024 --question-len 128 --answer-len 32
-echo "=== summary (${BUDGET_S} s budget, $((SECONDS - start_all)) s used)"
+for entry in "${STEPS[@]}"; do
+  read -r box fn name <<<"$entry"
+  # GPU_CHECK_STEPS="fn ...": those steps alone (a dry run of the script, tests/test_gpu_check.py)
+  [[ -z ${GPU_CHECK_STEPS:-} || " $GPU_CHECK_STEPS " == *" $fn "* ]] && run "$box" "$fn" "$name"
+done
+echo "=== summary (${BOXES_S} s of boxes, $((SECONDS - start_all)) s used)"
 printf '%s\n' "${summary[@]}"
 echo "=== gpu_check exit status $status"
 exec 1>&3 2>&4 3>&- 4>&-   # close tee's pipe, then wait for it to write the last lines to the log
