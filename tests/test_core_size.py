@@ -12,20 +12,22 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import core_lines  # noqa: E402
 
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
-# 30); this is the figure as it stands, so that growth is a decision, not a drift.
-CORE_LINE_BUDGET = 3627
+# 30); this is the figure as it stands, so that growth is a decision, not a drift. (3,627, then 14
+# lines for the CUDA path's fused kernels, issue 31: the attention backend's `elementwise`, bound to
+# the RMSNorms and SiluAndMuls by the model runner.)
+CORE_LINE_BUDGET = 3641
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
 # recorder, sampled-token logprobs), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
 # top-k/top-p/min-p filters (loaded by the first request with one), the mixture-of-experts
 # families, the server, the Hub (a model named by a folder needs none of it), dummy weights, the
-# tensor-parallel workers and their group, and CUDA graphs and GPU memory sizing (CUDA only, as
-# the CUDA attention backends are loaded there only).
+# tensor-parallel workers and their group, CUDA graphs and GPU memory sizing, and the fused
+# elementwise kernels (CUDA only, as the CUDA attention backends are loaded there only).
 OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization",
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
                    "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
                    "nanovllm.utils.hub", "nanovllm.utils.dummy_weights", "nanovllm.engine.cuda_graphs",
-                   "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory")
+                   "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory", "nanovllm.layers.fused_triton")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -12,7 +12,9 @@ from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.step_inputs import MAX_GRAPH_BATCH, gather_inputs, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.backends import get_backend
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import quantization_scope
 from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
@@ -182,6 +184,9 @@ class ModelRunner:
         backend = get_backend(config.attention_backend, config.device)
         for layer in self.attention_layers:
             layer.backend = backend
+        for module in self.model.modules():  # the backend's fused kernels, if its path has them
+            if isinstance(module, (RMSNorm, SiluAndMul)):
+                module.kernels = backend.elementwise
         self.sampler = Sampler()
         self.scratch_row = config.max_num_seqs
         self.token_table = torch.zeros(config.max_num_seqs + 1, config.max_model_len, dtype=torch.int32,

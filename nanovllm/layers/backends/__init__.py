@@ -1,6 +1,7 @@
 """Attention backends: one interface, chosen once at start-up.
 
-A backend is a class with two static methods:
+A backend is a class with two static methods, and `elementwise`: the module of fused RMSNorm and
+SiLU-and-mul kernels its path runs (layers/fused_triton.py for triton's; None: PyTorch's ops):
   store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
       write the step's new K/V ([T, Hkv, D]) into the paged cache ([num_blocks, block_size, Hkv, D])
   forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale) -> [T, H, D]

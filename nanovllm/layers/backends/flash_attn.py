@@ -12,6 +12,7 @@ from nanovllm.utils.context import Context
 
 
 class FlashAttnBackend:
+    elementwise = None  # (PyTorch's: its tests run on CPU with a fake flash_attn, whatever Triton's mode)
     store_kv = staticmethod(TorchBackend.store_kv)  # an index_put; flash-attn has no store kernel
 
     @staticmethod

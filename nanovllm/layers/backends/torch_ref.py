@@ -58,6 +58,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 
 class TorchBackend:
+    elementwise = None  # (the layers' own PyTorch ops)
+
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         if k_cache.dtype == FP8_KV_DTYPE:

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers import fused_triton
 from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, quantize_kv
 from nanovllm.utils.context import Context
 
@@ -525,6 +526,8 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
 
 
 class TritonBackend:
+    elementwise = fused_triton  # (imported as this module is: in the same Triton mode)
+
     @staticmethod
     def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         """k, v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (int64, -1 = skip);
