@@ -12,10 +12,10 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import core_lines  # noqa: E402
 
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
-# 30); this is the figure as it stands, so that growth is a decision, not a drift. (3,627, then 14
+# 30); this is the figure as it stands, so that growth is a decision, not a drift. (3,627, then 19
 # lines for the CUDA path's fused kernels, issue 31: the attention backend's `elementwise`, bound to
-# the RMSNorms and SiluAndMuls by the model runner.)
-CORE_LINE_BUDGET = 3641
+# the RMSNorms, SiluAndMuls and the RotaryEmbedding by the model runner.)
+CORE_LINE_BUDGET = 3646
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
 # recorder, sampled-token logprobs), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the

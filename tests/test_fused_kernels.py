@@ -1,6 +1,6 @@
 """layers/fused_triton.py's kernels against the PyTorch modules they replace (under Triton's
 interpreter without CUDA, compiled on a GPU), and their selection: a model whose attention runs on
-Triton's backend has its RMSNorms and SiluAndMul run them; the torch backend's does not."""
+Triton's backend has its RMSNorms, SiluAndMul and RotaryEmbedding run them; the torch backend's does not."""
 import os
 
 import pytest
@@ -66,6 +66,32 @@ def test_silu_and_mul_equals_the_module(dtype, d):
     torch.testing.assert_close(fused(x), SiluAndMul()(x), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])  # (Qwen3's; Llama's has none)
+@pytest.mark.parametrize("head_dim", [16, 40])  # (40: a half of 20, in a block of 32)
+def test_qk_norm_rope_equals_the_modules(dtype, qk_norm, head_dim):
+    """q and k as views into one qkv projection, at scattered positions: normalized (where the
+    family has it), then rotated, as RMSNorm then RotaryEmbedding compute them."""
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    heads, kv_heads, tokens = 4, 2, 5
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.tensor([0, 7, 3, 99, 12], device=DEVICE)
+    rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    norms = [norm_pair(head_dim, dtype) for _ in range(2)] if qk_norm else [(None, None)] * 2
+    q_ref, k_ref = rope(positions, q, k, norms[0][0], norms[1][0])
+    rope.kernels = fused_triton
+    q_out, k_out = rope(positions, q, k, norms[0][1], norms[1][1])
+    # (a rotated value is a difference of products: in bf16 its error is relative to the head's size)
+    for out, ref in ((q_out, q_ref), (k_out, k_ref)):
+        tolerance = dict(TOLERANCE[dtype])
+        if dtype == torch.bfloat16:
+            tolerance["atol"] = BF16_RTOL * ref.abs().max().item()
+        torch.testing.assert_close(out, ref, **tolerance)
+
+
 def test_empty_batches_and_bad_layouts():
     norm = norm_pair(8, torch.float32)[1]
     assert norm(torch.empty(0, 8, device=DEVICE)).shape == (0, 8)
@@ -80,9 +106,10 @@ def test_empty_batches_and_bad_layouts():
 def test_the_triton_backend_builds_the_model_with_the_fused_kernels(model_dir):
     """(Its outputs equal Hugging Face's: test_triton_backend.py's engine test runs this path.)"""
     from nanovllm import LLM
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
     for backend, kernels in (("triton", fused_triton), ("torch", None)):
         with LLM(model_dir, device="cpu", attention_backend=backend, max_model_len=64) as llm:
             modules = list(llm.model_runner.model.modules())
             norms = [m for m in modules if isinstance(m, RMSNorm)]
             assert norms and all(m.kernels is kernels for m in norms)
-            assert all(m.kernels is kernels for m in modules if isinstance(m, SiluAndMul))
+            assert all(m.kernels is kernels for m in modules if isinstance(m, (SiluAndMul, RotaryEmbedding)))

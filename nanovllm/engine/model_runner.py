@@ -15,6 +15,7 @@ from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.linear import quantization_scope
 from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
@@ -185,7 +186,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         for module in self.model.modules():  # the backend's fused kernels, if its path has them
-            if isinstance(module, (RMSNorm, SiluAndMul)):
+            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
                 module.kernels = backend.elementwise
         self.sampler = Sampler()
         self.scratch_row = config.max_num_seqs

@@ -6,6 +6,9 @@ is Triton's (TritonBackend.elementwise), once at start-up.
   rms_norm(x, weight, eps, residual=None)  RMSNorm over the last axis of rows [R, D] or heads
       [T, H, D] (q/k norm); with residual, x + residual first, returned too (the pre-norm stream)
   silu_and_mul(x)                          [T, 2d] -> [T, d]: silu(gate) * up
+  qk_norm_rope(q, k, q_norm, k_norm, ...)  each head of q [T, H, D] and k [T, Hkv, D] through its
+      RMSNorm (where the family has one: Qwen3), then RoPE at its token's position, all in one
+      launch, cos/sin read from the table in the kernel (no gather per layer)
 
 Each rounds where its PyTorch reference does (to the model's dtype after the residual add, after
 the normalization, after silu), so they differ from it only in float32 rounding: the sum of
@@ -86,3 +89,63 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, SILU_BLOCK))](x, out, d, x.stride(0), out.stride(0),
                                                                        BLOCK=SILU_BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _norm_rope_head(x_ptr, w_ptr, out_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """One head: RMSNorm (HAS_NORM) then rotate pairs (x[i], x[i + D/2]), as rotary_embedding.apply_rotary."""
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    x1 = tl.load(x_ptr + i, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + HALF + i, mask=mask, other=0.0)
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (f1 * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype)  # (rounded where RMSNorm rounds)
+        x2 = (w2 * (f2 * inv).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(out_ptr + i, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(out_ptr + HALF + i, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_out_ptr,
+                         num_q_heads, eps, s_qt, s_qh, s_kt, s_kh, s_oqt, s_oqh, s_okt, s_okh,
+                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)  # a token, and one of its q heads then k heads
+    i = tl.arange(0, BLOCK)
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)
+    if h < num_q_heads:
+        _norm_rope_head(q_ptr + t * s_qt + h * s_qh, qw_ptr, q_out_ptr + t * s_oqt + h * s_oqh, cos, sin, eps,
+                        HALF, HAS_NORM, BLOCK)
+    else:
+        hk = h - num_q_heads
+        _norm_rope_head(k_ptr + t * s_kt + hk * s_kh, kw_ptr, k_out_ptr + t * s_okt + hk * s_okh, cos, sin, eps,
+                        HALF, HAS_NORM, BLOCK)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RotaryEmbedding's forward, q_norm / k_norm (RMSNorms, or None) first, in one kernel. q [T, H, D]
+    and k [T, Hkv, D] (each head's D contiguous), cos / sin [max_position, D / 2] float32 (contiguous),
+    positions [T] -> new contiguous q, k."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride() != (head_dim // 2, 1):
+        raise ValueError(f"qk_norm_rope needs each head contiguous and a contiguous cos/sin table, got strides "
+                         f"{q.stride()}, {k.stride()}, {cos.stride()}")
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                       device=k.device)
+    if num_tokens:
+        has_norm = q_norm is not None
+        q_weight, k_weight = (q_norm.weight, k_norm.weight) if has_norm else (q, k)  # (unread without norms)
+        _qk_norm_rope_kernel[(num_tokens, num_q_heads + k.shape[1])](
+            q, k, q_weight, k_weight, cos, sin, positions, q_out, k_out, num_q_heads,
+            q_norm.eps if has_norm else 0.0, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1)
+    return q_out, k_out

@@ -71,6 +71,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """RoPE with a cos/sin table precomputed for every position up to max_position.
     `params` is `rope_parameters(config)`; one instance serves every layer of a model."""
+    kernels = None  # the fused kernels (layers/fused_triton.py) where the model runner binds them
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -79,6 +80,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, d/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+        """q [T, H, D], k [T, Hkv, D] rotated at their positions, after q_norm / k_norm where given."""
+        if self.kernels is not None:
+            return self.kernels.qk_norm_rope(q, k, q_norm, k_norm, self.cos, self.sin, positions)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

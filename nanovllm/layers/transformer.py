@@ -91,9 +91,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)      # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)  # (the norms: Qwen3's)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 
