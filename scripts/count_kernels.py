@@ -8,6 +8,7 @@ attention backend: on a GPU compiled, on CPU under Triton's interpreter (slow: u
     python scripts/count_kernels.py                              # qwen3-0.6b, bf16, 4 sequences, on CUDA if there
     python scripts/count_kernels.py --device cpu --num-layers 2  # what tests/test_count_kernels.py runs
     python scripts/count_kernels.py --ops                        # ... and which ops a layer runs
+    python scripts/count_kernels.py --max-per-layer 15           # exit status 1 above it (gpu_check.sh)
 
 A layer's kernels are those dispatched between its forward's start and end; the rest of the step
 (the embedding, the final norm, the LM head, the sampler, the step's input gathering) is "outside".
@@ -141,6 +142,7 @@ def main(argv=None) -> dict:
     p.add_argument("--num-seqs", type=int, default=4)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--ops", action="store_true", help="also list the ops of layer 0 and outside the layers")
+    p.add_argument("--max-per-layer", type=int, help="exit status 1 if a layer launches more kernels")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = count(args.preset, args.device, args.num_layers, args.num_seqs, args.dtype)
@@ -152,10 +154,13 @@ def main(argv=None) -> dict:
     if args.ops:
         for where in ("layer_ops", "outside_ops"):
             print(f"  {where.split('_')[0]}: " + ", ".join(f"{op} {n}" for op, n in result[where].items()))
+    result["over_limit"] = args.max_per_layer is not None and max(layer) > args.max_per_layer
+    if result["over_limit"]:
+        print(f"  over the limit of {args.max_per_layer} kernels per layer")
     if args.json:
         print(json.dumps(result))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["over_limit"] else 0)

@@ -5,13 +5,15 @@
 # (360 s: 6 minutes, so a second try still fits in a 15-minute device session);
 # `bash scripts/gpu_check.sh --plan` prints them with their sum and exits (tests/test_gpu_check.py).
 #
-#   1. the gpu-marked tests, then the Triton kernel tests (compiled, on GPU tensors; in 4 processes
-#      with pytest-xdist where it is there, so that cold compiles overlap); neither stops at a
-#      failure, each test has its own time limit (pytest-timeout, else faulthandler_timeout),
+#   1. the gpu-marked tests, then the Triton kernel tests (attention, MoE, quantized GEMMs, fused
+#      elementwise kernels; compiled, on GPU tensors; in 4 processes with pytest-xdist where it is
+#      there, so that cold compiles overlap); neither stops at a failure, and each test has its own
+#      time limit (pytest-timeout, else faulthandler_timeout),
 #   2. the tests that failed there (up to 3; not those that ran out of time) once more, with
 #      CUDA_LAUNCH_BLOCKING=1, so that a CUDA error is reported at the launch that caused it,
 #   3. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens; fails if
-#      the kernel differs from the reference or its CUDA-graph replay from eager),
+#      the kernel differs from the reference or its CUDA-graph replay from eager), and the kernels
+#      a Qwen3-0.6B decode step launches per layer (scripts/count_kernels.py; fails above 15),
 #   4. bench.py on the default workload against Hugging Face (capped in time), then the synchronous
 #      loop (--no-async-scheduling: what overlap buys),
 #   5. bench.py of the mixture of experts Qwen3-30B-A3B (random weights, ~61 GB) with CUDA graphs, at
@@ -45,8 +47,9 @@ STEPS=(
   "40 kernel_tests Triton kernel tests on the GPU"
   "15 rerun_failures failed tests again, CUDA_LAUNCH_BLOCKING=1"
   "10 decode_kernel decode kernel micro-benchmark (vs reference, graph vs eager)"
-  "60 bench_hf bench.py default workload vs HF"
-  "35 bench_sync bench.py default workload, synchronous loop"
+  "12 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
+  "56 bench_hf bench.py default workload vs HF"
+  "31 bench_sync bench.py default workload, synchronous loop"
   "35 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
   "10 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
   "10 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
@@ -100,13 +103,15 @@ gpu_tests() {
   "${PYTEST[@]}" -m gpu "${files[@]}"
 }
 kernel_tests() {
-  "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py tests/test_quant_kernels.py
+  "${PYTEST[@]}" "${XDIST[@]}" -m "not gpu" tests/test_triton_backend.py tests/test_moe_kernel.py tests/test_quant_kernels.py \
+    tests/test_fused_kernels.py
 }
 rerun_failures() {
   ((${#failed_tests[@]})) || { echo "no test failed: nothing to rerun"; return 0; }
   env CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" "${failed_tests[@]}"
 }
 decode_kernel() { python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph; }
+count_kernels() { python3 scripts/count_kernels.py --ops --max-per-layer 15; }
 bench_hf() { python3 bench.py --compare hf --hf-time-limit 15 --json; }
 bench_sync() { python3 bench.py --no-async-scheduling --json; }
 bench_moe() {

@@ -6,7 +6,12 @@ down, and the next layer's add + norm)."""
 import os
 import sys
 
+import torch
+
 from serving import ROOT
+
+if not torch.cuda.is_available():  # (the Triton kernels interpreted: set before anything imports triton)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import count_kernels  # noqa: E402
@@ -15,7 +20,8 @@ KERNELS_PER_LAYER = 11
 
 
 def test_a_decode_step_launches_at_most_the_ratchet_per_layer():
-    result = count_kernels.count("qwen3-0.6b", "cpu", num_layers=2, num_seqs=2, dtype="bfloat16")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = count_kernels.count("qwen3-0.6b", device, num_layers=2, num_seqs=2, dtype="bfloat16")
     print(f"\n{result['per_layer']} kernels per layer; layer 0: {result['layer_ops']}")
     # (the second layer also adds the first's residual: its fused add + norm counts the same)
     assert result["per_layer"][0] <= KERNELS_PER_LAYER, result["layer_ops"]
