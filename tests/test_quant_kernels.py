@@ -471,3 +471,15 @@ def test_gpu_cuda_graph_capture():
     torch.cuda.synchronize()
     for out, call in zip(outs, calls):
         torch.testing.assert_close(out, call(), atol=0, rtol=0)
+
+
+def test_token_count_arguments_are_not_specialized():
+    """The kernels compile once whatever T: its arguments are do-not-specialize, and those names are
+    parameters of their kernels (a typo would silently do nothing)."""
+    import inspect
+    for kernel, names in ((fp8_triton._per_token_group_quant_kernel, fp8_triton.QUANT_DYNAMIC_ARGS),
+                          (fp8_triton._block_fp8_matmul_kernel, fp8_triton.GEMM_DYNAMIC_ARGS),
+                          (awq_triton._awq_gemm_kernel, awq_triton.GEMM_DYNAMIC_ARGS)):
+        kept = kernel.do_not_specialize if hasattr(kernel, "do_not_specialize") else kernel.kwargs["do_not_specialize"]
+        params = list(inspect.signature(kernel.fn).parameters)
+        assert {params[n] if isinstance(n, int) else n for n in kept} == set(names) <= set(params)

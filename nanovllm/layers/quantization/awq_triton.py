@@ -56,7 +56,12 @@ def _unpack_awq(words, offs_n):
     return (words >> shifts) & 0xF
 
 
-@triton.jit
+# Arguments that change with the step's token count, never specialized on (fp8_triton.py's reason);
+# s_os is the split-K workspace's stride, T * N.
+GEMM_DYNAMIC_ARGS = ["T", "s_os"]
+
+
+@triton.jit(do_not_specialize=GEMM_DYNAMIC_ARGS)
 def _awq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, out_ptr, T, N, K,
                      s_xt, s_xk, s_qk, s_qc, s_zg, s_zc, s_sg, s_sn, s_os, s_ot, s_on,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -69,7 +69,14 @@ def _round_to_e4m3(y):
     return tl.where(bits < 0, -rounded, rounded)         # the sign bit, so that -0.0 stays -0.0
 
 
-@triton.jit
+# Arguments that change with the step's token count: never specialized on (Triton would compile a
+# variant for T = 1, for T divisible by 16, and for the rest: a shape the warm-up missed would stop
+# a run to compile). s_os is the split-K workspace's stride, T * N.
+QUANT_DYNAMIC_ARGS = ["T"]
+GEMM_DYNAMIC_ARGS = ["T", "s_os"]
+
+
+@triton.jit(do_not_specialize=QUANT_DYNAMIC_ARGS)
 def _per_token_group_quant_kernel(x_ptr, xq_ptr, xs_ptr, T, K,
                                   s_xt, s_xk, s_qt, s_qk, s_st, s_sg,
                                   GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -91,7 +98,7 @@ def _per_token_group_quant_kernel(x_ptr, xq_ptr, xs_ptr, T, K,
     tl.store(xs_ptr + offs_t * s_st + g * s_sg, scale, mask=offs_t < T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GEMM_DYNAMIC_ARGS)
 def _block_fp8_matmul_kernel(xq_ptr, xs_ptr, q_ptr, ws_ptr, out_ptr, T, N, K,
                              s_xt, s_xk, s_xst, s_xsk, s_qn, s_qk, s_wsn, s_wsk, s_os, s_ot, s_on,
                              SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
