@@ -11,12 +11,12 @@ from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.step_inputs import MAX_GRAPH_BATCH, gather_inputs, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.step_batch import StepBatch
-from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.linear import quantization_scope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device
