@@ -39,7 +39,8 @@ CHECK_TOL = 2e-2
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256], help="rows of x (T), one run each")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256],
+                   help="rows of x (T), one run each: decode, the 17-128 rows of a small batch or a verify step, prefill")
     p.add_argument("--n", type=int, default=4096, help="output features (N); a multiple of 8 for AWQ")
     p.add_argument("--k", type=int, default=4096, help="input features (K); a multiple of 128 for AWQ")
     p.add_argument("--iters", type=int, default=20, help="timed passes over the copies (after one warm-up pass)")
