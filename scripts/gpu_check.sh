@@ -161,8 +161,8 @@ run() {  # run BOX_S FUNCTION NAME: time-boxed, never stops the script
   echo "=== $name (box ${limit} s)"
   local start=$SECONDS rc
   # (the function in a bash of its own, so that the box's signals reach everything it started)
-  timeout -s INT -k "$KILL_AFTER_S" "$limit" bash -c "$(declare -p PYTEST XDIST BATCH1 QUANT failed_tests step_log \
-    MAX_RERUNS); $(declare -f "$fn"); $fn" 2>&1 | tee "$step_log"
+  timeout -s INT -k "$KILL_AFTER_S" "$limit" bash -c "$(declare -p PYTEST XDIST BATCH1 QUANT failed_tests); \
+    $(declare -f "$fn"); $fn" 2>&1 | tee "$step_log"
   rc=${PIPESTATUS[0]}
   local took=$((SECONDS - start)) verdict=PASS
   if ((rc == 124 || rc == 137)); then

@@ -20,6 +20,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _normalized(xf, inv, w, dtype: tl.constexpr):
+    """weight * (x / rms(x)) rounded as layernorm.RMSNorm rounds: x / rms in float32, to the model's
+    dtype, then the product with the weight (in float32, rounded again). xf float32, inv its 1 / rms."""
+    return (w.to(tl.float32) * (xf * inv).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_heads, n_cols, eps,
                      s_xt, s_xh, s_rt, s_rh, s_ot, s_oh, s_st, s_sh,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -34,9 +41,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_heads, n_cols,
         tl.store(sum_ptr + t * s_st + h * s_sh + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = (xf * inv).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + t * s_ot + h * s_oh + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(out_ptr + t * s_ot + h * s_oh + cols, _normalized(xf, inv, w, x.dtype), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -102,10 +108,8 @@ def _norm_rope_head(x_ptr, w_ptr, out_ptr, cos, sin, eps, HALF: tl.constexpr, HA
     if HAS_NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         inv = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + i, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (f1 * inv).to(x1.dtype).to(tl.float32)).to(x1.dtype)  # (rounded where RMSNorm rounds)
-        x2 = (w2 * (f2 * inv).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        x1 = _normalized(f1, inv, tl.load(w_ptr + i, mask=mask, other=0.0), x1.dtype)
+        x2 = _normalized(f2, inv, tl.load(w_ptr + HALF + i, mask=mask, other=0.0), x2.dtype)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     tl.store(out_ptr + i, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
     tl.store(out_ptr + HALF + i, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
