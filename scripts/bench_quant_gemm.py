@@ -15,8 +15,9 @@ weights from DRAM and not from the L2 cache (H200: 50 MB); time per call = pass 
 
 Every method's output is checked against its reference: F.linear against x @ w.T in fp32,
 block_fp8_matmul against fp8.block_fp8_matmul_reference, awq_gemm against x @ awq.dequantize.
-The "split" column is the number of K splits each kernel launched (layers/quantization/split_k.py:
-chosen by shape and SM count, or forced with --split-k).
+The "tiles" and "split" columns are the output tile (rows x columns) and the number of K splits each
+kernel launched (layers/quantization/split_k.py's plan: chosen by shape and SM count; --split-k
+forces the split).
 """
 import argparse
 import os
@@ -48,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cpu runs the kernels under TRITON_INTERPRET=1 (tiny sizes only)")
     p.add_argument("--cuda-graph", action="store_true", help="time replays of a captured pass instead of eager calls")
     p.add_argument("--split-k", type=int, default=None,
-                   help="force this many K splits in both kernels (default: chosen by shape, split_k.split_k_for)")
+                   help="force this many K splits in both kernels (default: chosen by shape, split_k.plan)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("n", "k", "iters"):
@@ -91,9 +92,9 @@ def _time_pass(device: str, fn) -> float:
 
 
 def build_methods(args, torch, fp8, awq, fp8_triton, awq_triton):
-    """{name: (weight bytes, [weights per copy], call(x, weights), reference(x), splits(T))} from one
-    random bf16 weight w [N, K], quantized for each scheme on the device; splits(T) is the number of
-    K splits the method launches for T tokens (None for F.linear)."""
+    """{name: (weight bytes, [weights per copy], call(x, weights), reference(x), launch(T))} from one
+    random bf16 weight w [N, K], quantized for each scheme on the device; launch(T) is the (tiles,
+    K splits) the method launches for T tokens ((None, None) for F.linear)."""
     gen = torch.Generator().manual_seed(args.seed)
     w = (torch.randn(args.n, args.k, generator=gen) * args.k ** -0.5).to(args.device).bfloat16()
     q, scale_inv = fp8.quantize_block(w.float(), FP8_BLOCK)
@@ -103,22 +104,22 @@ def build_methods(args, torch, fp8, awq, fp8_triton, awq_triton):
     import torch.nn.functional as F
     device = torch.device(args.device)
     forced = args.split_k
+    launched = lambda plan: (f"{plan[0].block_m}x{plan[0].block_n}", forced or plan[1])  # noqa: E731
     return {
         "bf16 F.linear": (nbytes(w), (w,), lambda x, ws: F.linear(x, *ws),
-                          lambda x: x.float() @ w.float().T, lambda t: None),
+                          lambda x: x.float() @ w.float().T, lambda t: (None, None)),
         "block_fp8_matmul": (nbytes(q, scale_inv), (q, scale_inv),
                              lambda x, ws: fp8_triton.block_fp8_matmul(x, *ws, FP8_BLOCK, split_k=forced),
                              lambda x: fp8.block_fp8_matmul_reference(x.float(), q, scale_inv, FP8_BLOCK),
-                             lambda t: forced or fp8_triton.gemm_split_k(t, args.n, args.k, FP8_BLOCK[1], device)),
+                             lambda t: launched(fp8_triton.gemm_plan(t, args.n, args.k, FP8_BLOCK[1], device))),
         "awq_gemm": (nbytes(qweight, qzeros, scales), (qweight, qzeros, scales),
                      lambda x, ws: awq_triton.awq_gemm(x, *ws, AWQ_GROUP, split_k=forced),
                      lambda x: x.float() @ w_awq,
-                     lambda t: forced or awq_triton.gemm_split_k(t, args.n, args.k, AWQ_GROUP, torch.bfloat16,
-                                                                 device)),
+                     lambda t: launched(awq_triton.gemm_plan(t, args.n, args.k, AWQ_GROUP, torch.bfloat16, device))),
     }
 
 
-def bench_one(args, torch, name, weight_bytes, weights, call, reference, splits, num_tokens, gen) -> dict:
+def bench_one(args, torch, name, weight_bytes, weights, call, reference, launch, num_tokens, gen) -> dict:
     copies = 1 if args.device == "cpu" else max(1, min(MAX_COPIES, -(-L2_FLUSH_BYTES // weight_bytes)))
     sets = [weights] + [tuple(t.clone() for t in weights) for _ in range(copies - 1)]
     x = torch.randn(num_tokens, args.k, generator=gen).to(args.device).bfloat16()
@@ -141,7 +142,7 @@ def bench_one(args, torch, name, weight_bytes, weights, call, reference, splits,
     ref = reference(x)
     error = ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
     return dict(method=name, tokens=num_tokens, n=args.n, k=args.k, device=args.device, copies=copies,
-                split_k=splits(num_tokens),
+                tiles=launch(num_tokens)[0], split_k=launch(num_tokens)[1],
                 time_per_call_s=seconds, weight_bytes=weight_bytes, weight_gbs=weight_bytes / seconds / 1e9,
                 max_rel_error=error, check_ok=error <= CHECK_TOL, cuda_graph=bool(args.cuda_graph and args.device == "cuda"))
 
@@ -158,16 +159,16 @@ def main(argv=None) -> list[dict]:
     results = []
     print(f"quantized GEMM: N {args.n} x K {args.k}, x in bfloat16 on {args.device}"
           f"{', CUDA graph replays' if args.cuda_graph and args.device == 'cuda' else ''}")
-    print(f"  {'T':>5}  {'method':<18} {'split':>5} {'median us':>11} {'weight MiB':>11} {'GB/s':>9} "
+    print(f"  {'T':>5}  {'method':<18} {'tiles':>6} {'split':>5} {'median us':>11} {'weight MiB':>11} {'GB/s':>9} "
           f"{'max error':>10}  check")
     for num_tokens in args.tokens:
-        for name, (weight_bytes, weights, call, reference, splits) in methods.items():
-            r = bench_one(args, torch, name, weight_bytes, weights, call, reference, splits, num_tokens, gen)
+        for name, (weight_bytes, weights, call, reference, launch) in methods.items():
+            r = bench_one(args, torch, name, weight_bytes, weights, call, reference, launch, num_tokens, gen)
             results.append(r)
-            print(f"  {num_tokens:>5}  {name:<18} {r['split_k'] or '-':>5} {r['time_per_call_s'] * 1e6:>11.1f} "
+            print(f"  {num_tokens:>5}  {name:<18} {r['tiles'] or '-':>6} {r['split_k'] or '-':>5} {r['time_per_call_s'] * 1e6:>11.1f} "
                   f"{weight_bytes / 2**20:>11.2f} {r['weight_gbs']:>9.1f} {r['max_rel_error']:>10.2e}  "
                   f"{'ok' if r['check_ok'] else 'FAILED'}")
-    print("  (split: K splits launched; GB/s: the layer's weight bytes / median time per call; "
+    print("  (tiles: output tile rows x columns; split: K splits launched; GB/s: the layer's weight bytes / median time per call; "
           "max error: max |out - ref| / max |ref|)")
     return results
 

@@ -297,7 +297,7 @@ def test_awq_gemm_rejects_wrong_inputs():
 @pytest.mark.parametrize("num_tokens,n,k,dtype,splits", [
     (1, 200, 1100, torch.float32, (2, 4, 9)),        # 9 K tiles, the last one ragged (1100 = 8 * 128 + 76)
     (16, 130, 512, torch.bfloat16, (3, 4)),          # 3 splits of 4 tiles: 1, 1 and 2 tiles
-    (20, 72, 300, torch.float16, (2, 3)),            # prefill tiles (the heuristic never splits them)
+    (20, 72, 300, torch.float16, (2, 3)),            # 64-row tiles
 ])
 def test_block_fp8_matmul_split_k(num_tokens, n, k, dtype, splits):
     """Forced split counts up to one K tile per split, at ragged shapes: the same references and
@@ -312,12 +312,12 @@ def test_block_fp8_matmul_split_k(num_tokens, n, k, dtype, splits):
     (1, 200, 512, torch.float32, 128, (3, 16)),      # fp32: K tiles of 32, 16 of them; 3 uneven splits
     (7, 96, 512, torch.bfloat16, 128, (2, 3, 4)),    # K tiles of 128, one per group
     (5, 64, 256, torch.float32, 32, (3, 8)),         # groups of 32, one per tile
-    (20, 64, 256, torch.float16, 64, (2, 4)),        # prefill tiles, K tiles of 64
+    (20, 64, 256, torch.float16, 64, (2, 4)),        # 64-row tiles, K tiles of 64
 ])
 def test_awq_gemm_split_k(num_tokens, n, k, dtype, group, splits):
     x, qweight, qzeros, scales = awq_case(num_tokens, n, k, dtype, seed=num_tokens + n + k, group=group,
                                           random_bits=dtype == torch.float32)
-    assert splits[-1] == k // awq_triton.tiles_for(num_tokens, group, dtype)[2]
+    assert splits[-1] == k // awq_triton.tile_options(num_tokens, group, dtype)[0].block_k
     for s in splits:
         check_awq(x, qweight, qzeros, scales, group, split_k=s)
 
@@ -332,36 +332,98 @@ class GridSpy:
         return self.kernel[grid]
 
 
-def test_split_k_for_contract():
-    """1 beyond decode and when the N tiles already give PROGRAMS_PER_SM programs per SM; > 1 for
-    small N at decode; never more splits than K tiles / MIN_K_TILES_PER_SPLIT (so never more than
-    the K tiles); a function of shapes and the SM count only."""
+# Real layers (N, K): Qwen3-0.6B's qkv, o, gate_up and down; Llama-3-8B's; Qwen3-30B-A3B's attention
+REAL_LAYERS = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+               (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (9216, 2048), (2048, 4096)]
+H200_SMS = 132
+PLANS = {"fp8": lambda t, n, k, device: fp8_triton.gemm_plan(t, n, k, BLOCK[1], device),
+         "awq": lambda t, n, k, device: awq_triton.gemm_plan(t, n, k, 128, torch.bfloat16, device)}
+
+
+def launched_programs(num_tokens, n, tiles, splits):
+    return triton.cdiv(num_tokens, tiles.block_m) * triton.cdiv(n, tiles.block_n) * splits
+
+
+@pytest.mark.parametrize("kernel", sorted(PLANS))
+def test_quantized_gemms_give_every_sm_two_programs_from_17_to_128_tokens(kernel):
+    """The issue's target: at T = 64 (and across 17..128, a batch's decode or a verify step) every
+    real layer shape launches at least PROGRAMS_PER_SM = 2 programs per SM of an H200, by the plan
+    alone (shapes and the SM count). Before the tiles followed the program count, 64 tokens of an
+    N = 1024 layer took one 64 x 128 prefill tile per 128 columns and no split: 8 programs."""
+    assert split_k.CPU_STAND_IN_SMS == H200_SMS
+    cpu = torch.device("cpu")
+    for num_tokens in (17, 32, 64, 100, 128):
+        for n, k in REAL_LAYERS:
+            tiles, splits = PLANS[kernel](num_tokens, n, k, cpu)
+            programs = launched_programs(num_tokens, n, tiles, splits)
+            assert programs >= split_k.PROGRAMS_PER_SM * H200_SMS, (num_tokens, n, k, tiles, splits)
+
+
+@pytest.mark.parametrize("kernel", sorted(PLANS))
+def test_plan_keeps_prefill_tiles_wide_and_unsplit(kernel):
+    """A long prefill's grid fills the chip many times over: the widest tile (the most reuse per
+    loaded tile), no partials."""
+    for n, k in REAL_LAYERS:
+        tiles, splits = PLANS[kernel](4096, n, k, torch.device("cpu"))
+        assert (tiles.block_m, tiles.block_n, splits) == (64, 128, 1), (n, k)
+
+
+def test_plan_contract():
+    """plan takes the first option (widest first) whose grid, split by split_k_for, reaches
+    PROGRAMS_PER_SM per SM, else the last; split_k_for splits only grids smaller than the SM count,
+    no more than wanted, each split at least MIN_K_TILES_PER_SPLIT K tiles."""
     sms = 132
-    for num_tokens in (17, 64, 256, 4096):                                    # prefill tiles
-        assert split_k.split_k_for(num_tokens, 64, 1 << 16, 64, 128, 128, sms) == 1
-    assert split_k.split_k_for(1, 1024, 4096, 16, 32, 128, sms) == 8          # fp8, 32 N tiles: capped by K
-    assert split_k.split_k_for(16, 4096, 4096, 16, 32, 128, sms) == 3         # 128 N tiles -> 384 programs
-    assert split_k.split_k_for(1, 4096, 4096, 16, 64, 128, sms) == 5          # awq, 64 N tiles
-    assert split_k.split_k_for(1, 16384, 4096, 16, 32, 128, sms) == 1         # 512 N tiles fill the chip
-    assert split_k.split_k_for(1, 64, 3 * 128, 16, 32, 128, sms) == 1         # 3 K tiles: too few to split
-    for num_tokens in (1, 5, 16):
-        for n in (8, 200, 1024, 4096, 8192):
-            for k in (32, 300, 1024, 4096, 12288):
-                for block_n, block_k in ((32, 128), (64, 128), (64, 32)):
-                    s = split_k.split_k_for(num_tokens, n, k, 16, block_n, block_k, sms)
-                    k_tiles = triton.cdiv(k, block_k)
-                    assert 1 <= s <= max(1, k_tiles // split_k.MIN_K_TILES_PER_SPLIT) <= max(1, k_tiles)
-                    programs = triton.cdiv(n, block_n)
-                    if programs >= split_k.PROGRAMS_PER_SM * sms:
-                        assert s == 1
-                    elif s > 1:                                               # no more splits than wanted
-                        assert (s - 1) * programs < split_k.PROGRAMS_PER_SM * sms
+    target = split_k.PROGRAMS_PER_SM * sms
+    wide, narrow = split_k.Tiles(64, 128, 128, 4, 3), split_k.Tiles(64, 32, 128, 4, 4)
+    assert split_k.plan(4096, 4096, 4096, (wide, narrow), sms) == (wide, 1)      # 2048 programs
+    assert split_k.plan(64, 4096, 4096, (wide, narrow), sms) == (wide, 9)        # 32 x 9 = 288
+    assert split_k.plan(64, 1024, 1024, (wide, narrow), sms) == (narrow, 4)      # 8 x 4 short; 32 x 4 = 128
+    assert split_k.plan(512, 4096, 1024, (wide, narrow), sms) == (narrow, 1)     # 256 unsplit, then 1024
+    assert split_k.split_k_for(131, 1 << 16, 128, sms) == 3                       # one SM idle: split
+    assert split_k.split_k_for(132, 1 << 16, 128, sms) == 1                       # every SM busy
+    assert split_k.split_k_for(1, 3 * 128, 128, sms) == 1                         # 3 K tiles: too few to split
+    for grid in (1, 7, 32, 100, 131, 132, 500):
+        for k in (32, 300, 1024, 4096, 12288):
+            for block_k in (32, 64, 128):
+                s = split_k.split_k_for(grid, k, block_k, sms)
+                k_tiles = triton.cdiv(k, block_k)
+                assert 1 <= s <= max(1, k_tiles // split_k.MIN_K_TILES_PER_SPLIT) <= max(1, k_tiles)
+                if grid >= sms:
+                    assert s == 1
+                elif s > 1:                                                       # no more splits than wanted
+                    assert (s - 1) * grid < target
+    for num_tokens in (1, 16, 17, 64, 300):
+        for n in (8, 200, 1024, 4096):
+            options = fp8_triton.tile_options(num_tokens, 128)
+            tiles, s = split_k.plan(num_tokens, n, 4096, options, sms)
+            reaching = [o for o in options if launched_programs(
+                num_tokens, n, o, split_k.split_k_for(launched_programs(num_tokens, n, o, 1), 4096, 128, sms)) >= target]
+            assert tiles == (reaching[0] if reaching else options[-1])
     assert split_k.num_sms(torch.device("cpu")) == split_k.CPU_STAND_IN_SMS
 
 
+@pytest.mark.parametrize("num_tokens", [5, 40])
+def test_every_tile_option_matches_the_references(num_tokens, monkeypatch):
+    """Each tile either wrapper may launch (every option of tile_options, at 16- and 64-row tiles,
+    each dtype's), forced one at a time, computes the same GEMM: the references and tolerances of
+    check_fp8 / check_awq, at a ragged N, with and without a split."""
+    fp8_options, awq_options = fp8_triton.tile_options, awq_triton.tile_options
+    for i in range(len(fp8_options(num_tokens, BLOCK[1]))):
+        monkeypatch.setattr(fp8_triton, "tile_options", lambda *a, i=i: (fp8_options(*a)[i],))
+        x, q, scale_inv = fp8_case(num_tokens, 200, 512, torch.bfloat16, seed=i)
+        for s in (None, 1):
+            check_fp8(x, q, scale_inv, split_k=s)
+    for dtype in (torch.bfloat16, torch.float32):
+        for i in range(len(awq_options(num_tokens, 128, dtype))):
+            monkeypatch.setattr(awq_triton, "tile_options", lambda *a, i=i: (awq_options(*a)[i],))
+            for s in (None, 1):
+                check_awq(*awq_case(num_tokens, 136, 512, dtype, seed=i), split_k=s)
+
+
 def test_split_k_is_chosen_by_shape_and_one_split_writes_the_output(monkeypatch):
-    """The wrappers launch gemm_split_k's count for the shape whatever the data (what lets a CUDA
-    graph capture and an eager call of one shape split alike); one split launches no sum kernel."""
+    """The wrappers launch gemm_plan's tiles and split count for the shape whatever the data (what
+    lets a CUDA graph capture and an eager call of one shape split alike); one split launches no
+    sum kernel."""
     gemm = GridSpy(fp8_triton._block_fp8_matmul_kernel)
     awq_kernel = GridSpy(awq_triton._awq_gemm_kernel)
     sums = GridSpy(split_k._sum_splits_kernel)
@@ -374,15 +436,16 @@ def test_split_k_is_chosen_by_shape_and_one_split_writes_the_output(monkeypatch)
         check_fp8(x, q, scale_inv)
         xa, qweight, qzeros, scales = awq_case(2, 64, 1024, torch.bfloat16, seed=seed)
         check_awq(xa, qweight, qzeros, scales)
-    splits = fp8_triton.gemm_split_k(2, 64, 1024, BLOCK[1], device)
-    awq_splits = awq_triton.gemm_split_k(2, 64, 1024, 128, torch.bfloat16, device)
-    assert splits == 2 and awq_splits == 2                # 8 K tiles of 128: 2 splits of 4
-    assert gemm.grids == [(1, 2, splits)] * 4 and awq_kernel.grids == [(1, 1, awq_splits)] * 2
+    tiles, splits = fp8_triton.gemm_plan(2, 64, 1024, BLOCK[1], device)
+    awq_tiles, awq_splits = awq_triton.gemm_plan(2, 64, 1024, 128, torch.bfloat16, device)
+    # 8 K tiles of 128: at most 4 splits of 2; no tile fills the chip, so the narrowest, split 4 ways
+    assert (tiles.block_n, splits, awq_tiles.block_n, awq_splits) == (16, 4, 32, 4)
+    assert gemm.grids == [(1, 4, 4)] * 4 and awq_kernel.grids == [(1, 2, 4)] * 2
     assert len(sums.grids) == 6
     sums.grids.clear()
-    x, q, scale_inv = fp8_case(20, 64, 1024, torch.float32, seed=3)   # prefill: one split, no sum
+    x, q, scale_inv = fp8_case(300, 256, 256, torch.float32, seed=3)    # 2 K tiles: too few to split
     block_fp8_matmul(x, q, scale_inv, BLOCK)
-    assert gemm.grids[-1][2] == 1 and sums.grids == []
+    assert gemm.grids[-1] == (5, 16, 1) and sums.grids == []
 
 
 def test_split_k_rejects_wrong_counts():
@@ -411,8 +474,9 @@ def test_bench_quant_gemm_cpu_smoke(capsys):
     assert all(r["check_ok"] and r["time_per_call_s"] > 0 and r["weight_gbs"] > 0 for r in results)
     fp8_row = next(r for r in results if r["method"] == "block_fp8_matmul")
     assert fp8_row["weight_bytes"] == 64 * 1024 + 1 * 8 * 4          # fp8 bytes + the [1, 8] fp32 scales
-    # 8 K tiles of 128 at decode: 2 splits of 4 (CPU_STAND_IN_SMS); none with the prefill tiles
-    assert [r["split_k"] for r in results] == [None, 2, 2, None, 1, 1]
+    # 8 K tiles of 128 (AWQ's 64-row tiles: 16 of 64): splits of 2, the narrowest tiles (CPU_STAND_IN_SMS)
+    assert [r["split_k"] for r in results] == [None, 4, 4, None, 4, 8]
+    assert [r["tiles"] for r in results] == [None, "16x16", "16x32", None, "64x16", "64x32"]
     assert "GB/s" in out and "max error" in out and "split" in out
 
 
@@ -427,7 +491,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [1, 16, 256])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_block_fp8_matmul_bf16(num_tokens, n, k):
     gen = torch.Generator().manual_seed(num_tokens + n + k)
@@ -439,7 +503,7 @@ def test_gpu_block_fp8_matmul_bf16(num_tokens, n, k):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [1, 16, 256])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 def test_gpu_awq_gemm_bf16(num_tokens, n, k):
     gen = torch.Generator().manual_seed(num_tokens + n + k)
@@ -455,8 +519,8 @@ def test_gpu_cuda_graph_capture():
     bit-equal to eager calls; at this shape both split K (their workspace from the graph's pool)."""
     gen = torch.Generator().manual_seed(0)
     x = randn(16, 1024, gen=gen, dtype=torch.bfloat16)
-    assert fp8_triton.gemm_split_k(16, 512, 1024, BLOCK[1], x.device) > 1
-    assert awq_triton.gemm_split_k(16, 512, 1024, 128, torch.bfloat16, x.device) > 1
+    assert fp8_triton.gemm_plan(16, 512, 1024, BLOCK[1], x.device)[1] > 1
+    assert awq_triton.gemm_plan(16, 512, 1024, 128, torch.bfloat16, x.device)[1] > 1
     q, scale_inv = fp8.quantize_block(randn(512, 1024, gen=gen, scale=1024 ** -0.5))
     qweight, qzeros, scales = awq.quantize(randn(1024, 512, gen=gen, scale=1024 ** -0.5), 128)
     calls = (lambda: block_fp8_matmul(x, q, scale_inv, BLOCK), lambda: awq_gemm(x, qweight, qzeros, scales, 128))

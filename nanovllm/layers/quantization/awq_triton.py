@@ -12,8 +12,9 @@ awq.py holds the format and its arithmetic in plain PyTorch; this kernel compute
                      (one packed row: BLOCK_K divides g, so a K tile lies in one group) and scales.
                      W = (q - z) * s is formed in fp32 (exact: a 4-bit integer times an fp16 scale),
                      rounded once to x's dtype, and fed to tl.dot with an fp32 accumulator.
-  split-K (split_k.py) at decode, when the N tiles leave SMs idle: S > 1 splits of whole K tiles,
-                     their fp32 partials summed in a fixed order; S = 1 writes the output directly.
+  tiles, split-K (split_k.py) as wide as the shape's program count allows; where the output tiles
+                     leave SMs idle, S > 1 splits of whole K tiles, their fp32 partials summed in a
+                     fixed order; S = 1 writes the output directly.
 K is a multiple of g (the format's groups) and N of 8 (the packing), both checked; T is masked.
 
 Under TRITON_INTERPRET=1 (read at import) the kernel runs on CPU tensors in Triton's interpreter, as
@@ -27,17 +28,20 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.quantization.base import PACK
-from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
+from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, Tiles, check_split_k, num_sms, plan, sum_splits,
                                                   workspace)
 from nanovllm.utils.triton_mode import check_kernel_device
 
-# Tiles. A tile's qweight row is BLOCK_N / 2 bytes: 64 columns make one 32-byte DRAM sector, the least
-# worth a read. The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32), so BLOCK_K * BLOCK_N /
-# (32 * num_warps) values per thread bound the tiles. Decode: one 16-row tile holds every token, over
-# N / 64 programs times the K splits. Prefill: 64 x 128 output tiles reuse each unpacked W tile (ALU
-# work per weight) over 64 tokens; 8 warps keep it at 32 values per thread.
-DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES = 16, 64, 128, 4, 4
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES = 64, 128, 64, 8, 3
+# Tiles (split_k.plan picks one per shape, widest first). A tile's qweight row is BLOCK_N / 2 bytes:
+# 64 columns make one 32-byte DRAM sector (32 half of one, taken only where wider tiles leave SMs
+# idle). The W tile is built in registers ([BLOCK_K, BLOCK_N] fp32), so BLOCK_K * BLOCK_N / (32 *
+# num_warps) values per thread bound the tiles: at most 64 columns by K tiles of 128 (4 warps: 64 a
+# thread). Up to DECODE_MAX_TOKENS one 16-row tile holds every token, over N / 64 programs times the K
+# splits, 4 stages. Beyond, 64-row tiles over K tiles of 64, as wide as the program count allows:
+# 64 x 128 reuses each unpacked W tile (ALU work per weight) over 64 tokens; 8 warps keep it at 32
+# values per thread; 3 stages.
+DECODE_BLOCK_M, DECODE_BLOCK_K, DECODE_WIDTHS, DECODE_WARPS, DECODE_STAGES = 16, 128, (64, 32), 4, 4
+PREFILL_BLOCK_M, PREFILL_BLOCK_K, PREFILL_WIDTHS, PREFILL_WARPS, PREFILL_STAGES = 64, 64, (128, 64, 32), 8, 3
 # fp32 x (tests only: AWQ runs in fp16/bf16) takes the exact ("ieee") FMA path: at most 64 x 32 tiles,
 # else sm_90 spills registers (ptxas -v: 236 bytes at decode, 1.6 KB at prefill with the tiles above)
 FP32_MAX_BLOCK_N, FP32_BLOCK_K = 64, 32
@@ -112,29 +116,31 @@ ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTERPRETED = type(_awq_gemm_kernel).__name__ == "InterpretedFunction"
 
 
-def tiles_for(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): decode tiles for a few tokens, prefill
-    tiles beyond; BLOCK_K no larger than the group (it must divide it)."""
+def tile_options(num_tokens: int, group: int, dtype: torch.dtype) -> tuple[Tiles, ...]:
+    """The tiles split_k.plan may pick for num_tokens rows of x.dtype dtype, widest first; BLOCK_K no
+    larger than the group (it must divide it)."""
     if num_tokens <= DECODE_MAX_TOKENS:
-        tiles = DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_BLOCK_K, DECODE_WARPS, DECODE_STAGES
+        block_m, block_k, widths, warps, stages = (DECODE_BLOCK_M, DECODE_BLOCK_K, DECODE_WIDTHS, DECODE_WARPS,
+                                                   DECODE_STAGES)
     else:
-        tiles = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_BLOCK_K, PREFILL_WARPS, PREFILL_STAGES
-    block_m, block_n, block_k, warps, stages = tiles
+        block_m, block_k, widths, warps, stages = (PREFILL_BLOCK_M, PREFILL_BLOCK_K, PREFILL_WIDTHS, PREFILL_WARPS,
+                                                   PREFILL_STAGES)
     if dtype == torch.float32:
-        block_n, block_k = min(block_n, FP32_MAX_BLOCK_N), FP32_BLOCK_K
-    return block_m, block_n, min(block_k, group), warps, stages
+        widths = sorted({min(width, FP32_MAX_BLOCK_N) for width in widths}, reverse=True)
+        block_k = FP32_BLOCK_K
+    return tuple(Tiles(block_m, width, min(block_k, group), warps, stages) for width in widths)
 
 
-def gemm_split_k(num_tokens: int, n: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The split count awq_gemm uses for these shapes on this device (split_k_for over its tiles)."""
-    block_m, block_n, block_k, _, _ = tiles_for(num_tokens, group, dtype)
-    return split_k_for(num_tokens, n, k, block_m, block_n, block_k, num_sms(device))
+def gemm_plan(num_tokens: int, n: int, k: int, group: int, dtype: torch.dtype,
+              device: torch.device) -> tuple[Tiles, int]:
+    """The (tiles, split count) awq_gemm launches for these shapes on this device."""
+    return plan(num_tokens, n, k, tile_options(num_tokens, group, dtype), num_sms(device))
 
 
 def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
              group: int = 128, split_k: int | None = None) -> torch.Tensor:
     """x @ awq.dequantize(qweight, qzeros, scales, group), without the dequantized matrix: [T, N] in
-    x.dtype (shapes as above; scales in any float dtype). split_k: None splits K as gemm_split_k
+    x.dtype (shapes as above; scales in any float dtype). split_k: None splits K as gemm_plan
     chooses; an int in 1..K / BLOCK_K forces that many (tests, benchmarks: the same sum reordered)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K], got shape {tuple(x.shape)}")
@@ -164,18 +170,17 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
         return out
     if k == 0:
         return out.zero_()
-    block_m, block_n, block_k, warps, stages = tiles_for(num_tokens, group, x.dtype)
-    if split_k is None:
-        split_k = gemm_split_k(num_tokens, n, k, group, x.dtype, x.device)
-    check_split_k(split_k, k // block_k)
+    tiles, planned_split = gemm_plan(num_tokens, n, k, group, x.dtype, x.device)
+    split_k = planned_split if split_k is None else split_k
+    check_split_k(split_k, k // tiles.block_k)
     dest = workspace(split_k, out)                       # out, or fp32 [split_k, T, N] partials
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n), split_k)
+    grid = (triton.cdiv(num_tokens, tiles.block_m), triton.cdiv(n, tiles.block_n), split_k)
     _awq_gemm_kernel[grid](
         x, qweight, qzeros, scales, dest, num_tokens, n, k,
         *x.stride(), *qweight.stride(), *qzeros.stride(), *scales.stride(),
         dest.stride(0) if split_k > 1 else 0, *dest.stride()[-2:],
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         DOT_IN_FP32=INTERPRETED,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 would otherwise go through TF32
-        num_warps=warps, num_stages=stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return sum_splits(dest, out)

@@ -15,8 +15,9 @@ plain PyTorch.
                      128 products: Hopper's fp8 MMA keeps only ~14 bits while it accumulates, so a K
                      tile must not be longer). Weight scales are looked up per column (offs_n // bn),
                      so BLOCK_N need not divide bn. Ragged T, N and K are masked (loads give 0).
-  split-K (split_k.py) at decode, when the N tiles leave SMs idle: S > 1 splits of whole K tiles,
-                     their fp32 partials summed in a fixed order; S = 1 writes the output directly.
+  tiles, split-K (split_k.py) as wide as the shape's program count allows; where the output tiles
+                     leave SMs idle, S > 1 splits of whole K tiles, their fp32 partials summed in a
+                     fixed order; S = 1 writes the output directly.
 
 Under TRITON_INTERPRET=1 (read at import) the kernels run on CPU tensors in Triton's interpreter, as
 tests/test_quant_kernels.py checks them. Its fp32 -> fp8 cast rounds wrongly (triton 3.9: half up, and a
@@ -32,17 +33,19 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.quantization.base import FP8, FP8_MAX, MIN_SCALE
-from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, check_split_k, num_sms, split_k_for, sum_splits,
+from nanovllm.layers.quantization.split_k import (DECODE_MAX_TOKENS, Tiles, check_split_k, num_sms, plan, sum_splits,
                                                   workspace)
 from nanovllm.utils.triton_mode import check_kernel_device
 
-# Tiles. The GEMM streams the weight (N * K bytes) with T rows riding along. Decode (T <=
-# DECODE_MAX_TOKENS): one 16-row tile holds every token, and narrow N tiles give N / 32 programs (128
-# for N = 4096, about one per SM of an H200), times split_k.py's K splits, so the weight stream
-# spreads over the chip; 4 stages keep that many K tiles of loads in flight. Prefill: 64 x 128 output
-# tiles reuse each weight tile over 64 tokens; 3 stages of (64 + 128) x 128 fp8 bytes = 72 KB shared.
-DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_STAGES = 16, 32, 4
-PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES = 64, 128, 3
+# Tiles (split_k.plan picks one per shape, widest first). The GEMM streams the weight (N * K bytes)
+# with T rows riding along. Up to DECODE_MAX_TOKENS one 16-row tile holds every token, and 32-column
+# tiles give N / 32 programs (128 for N = 4096, about one per SM of an H200), times the K splits;
+# 4 stages keep that many K tiles of loads in flight. Beyond, 64-row tiles, as wide as the program
+# count allows: 64 x 128 reuses each weight tile over 64 tokens and each activation tile over 128
+# columns, 3 stages of (64 + 128) x 128 fp8 bytes = 72 KB shared; narrower ones take 4 stages.
+DECODE_BLOCK_M, DECODE_WIDTHS = 16, (32, 16)
+PREFILL_BLOCK_M, PREFILL_WIDTHS = 64, (128, 64, 32, 16)
+WIDE_STAGES, NARROW_STAGES = 3, 4
 MAX_BLOCK_K = 128              # a K tile of 128: the checkpoints' bk, and DeepSeek-V3's promotion interval
 MIN_BLOCK_K = 32               # fp8 MMA instructions take K in multiples of 32
 NUM_WARPS = 4
@@ -182,24 +185,24 @@ def block_k_for(bk: int) -> int:
     return block_k
 
 
-def tiles_for(num_tokens: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_stages): decode tiles for a few tokens, prefill tiles beyond."""
-    if num_tokens <= DECODE_MAX_TOKENS:
-        return DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_STAGES
-    return PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_STAGES
+def tile_options(num_tokens: int, bk: int) -> tuple[Tiles, ...]:
+    """The tiles split_k.plan may pick for num_tokens rows, widest first (K tiles of block_k_for(bk))."""
+    block_m, widths = ((DECODE_BLOCK_M, DECODE_WIDTHS) if num_tokens <= DECODE_MAX_TOKENS
+                       else (PREFILL_BLOCK_M, PREFILL_WIDTHS))
+    return tuple(Tiles(block_m, width, block_k_for(bk), NUM_WARPS, WIDE_STAGES if width == 128 else NARROW_STAGES)
+                 for width in widths)
 
 
-def gemm_split_k(num_tokens: int, n: int, k: int, bk: int, device: torch.device) -> int:
-    """The split count block_fp8_matmul uses for these shapes on this device (split_k_for, its tiles)."""
-    block_m, block_n, _ = tiles_for(num_tokens)
-    return split_k_for(num_tokens, n, k, block_m, block_n, block_k_for(bk), num_sms(device))
+def gemm_plan(num_tokens: int, n: int, k: int, bk: int, device: torch.device) -> tuple[Tiles, int]:
+    """The (tiles, split count) block_fp8_matmul launches for these shapes on this device."""
+    return plan(num_tokens, n, k, tile_options(num_tokens, bk), num_sms(device))
 
 
 def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
                      block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None,
                      split_k: int | None = None) -> torch.Tensor:
     """x @ w.T with w the block-scaled fp8 weight (q, scale_inv): fp8.block_fp8_matmul_reference's
-    [T, N] (shapes as above) in out_dtype (default x.dtype). split_k: None splits K as gemm_split_k
+    [T, N] (shapes as above) in out_dtype (default x.dtype). split_k: None splits K as gemm_plan
     chooses; an int in 1..ceil(K / BLOCK_K) forces that many (tests, benchmarks: the same sum reordered)."""
     _check_activations(x)
     if (not isinstance(block, (tuple, list)) or len(block) != 2
@@ -229,17 +232,16 @@ def block_fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor,
         return out
     if k == 0:
         return out.zero_()
-    if split_k is None:
-        split_k = gemm_split_k(num_tokens, n, k, bk, x.device)
+    tiles, planned_split = gemm_plan(num_tokens, n, k, bk, x.device)
+    split_k = planned_split if split_k is None else split_k
     check_split_k(split_k, triton.cdiv(k, block_k))
     xq, x_scales = per_token_group_quant(x, bk)          # [T, K] fp8, [T, ceil(K / bk)] fp32
-    block_m, block_n, stages = tiles_for(num_tokens)
     dest = workspace(split_k, out)                       # out, or fp32 [split_k, T, N] partials
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n), split_k)
+    grid = (triton.cdiv(num_tokens, tiles.block_m), triton.cdiv(n, tiles.block_n), split_k)
     _block_fp8_matmul_kernel[grid](
         xq, x_scales, q, scale_inv, dest, num_tokens, n, k,
         *xq.stride(), *x_scales.stride(), *q.stride(), *scale_inv.stride(),
         dest.stride(0) if split_k > 1 else 0, *dest.stride()[-2:],
-        SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, num_stages=stages)
+        SCALE_BLOCK_N=bn, SCALE_BLOCK_K=bk, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return sum_splits(dest, out)
