@@ -1,5 +1,7 @@
 """Micro-benchmark of the Triton split-KV decode kernel: time per call and the fraction of the
-device's copy bandwidth it reaches.
+device's copy bandwidth it reaches; with --queries 1 + k, of a speculative verify step's attention
+(k drafts after each sequence's last token), and with --vs-prefill-kernel of the prefill kernel
+over the same step (what took verify steps before they were the decode kernel's).
 
 A decode step reads every sequence's whole K and V once (2 * batch * context * Hkv * D * itemsize
 bytes, itemsize 1 for an fp8 cache) and little else, so its speed limit is memory bandwidth. The
@@ -8,6 +10,7 @@ reference point is a large device-to-device copy, timed the same way ((read + wr
     python scripts/bench_decode_attention.py                       # CUDA, the defaults below
     python scripts/bench_decode_attention.py --cuda-graph          # also time a captured replay
     python scripts/bench_decode_attention.py --kv-cache-dtype fp8  # over an fp8 (e4m3) cache
+    python scripts/bench_decode_attention.py --batch 1 --context 4096 --queries 5 --vs-prefill-kernel
     python scripts/bench_decode_attention.py --device cpu --batch 2 --context 40 --head-dim 32 \\
         --dtype float32 --iters 1                                  # interpreter smoke run
 
@@ -40,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--queries", type=int, default=1,
+                   help="new tokens per sequence: 1 a decode step, 1 + k a verify step of k drafts")
+    p.add_argument("--vs-prefill-kernel", action="store_true",
+                   help="also time the prefill kernel on the same step (--queries > 1)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(CHECK_TOL))
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="auto: the cache in --dtype; fp8: in float8_e4m3fn, dequantized inside the kernel")
@@ -49,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action="store_true", help="also capture the call in a CUDA graph and time replays")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("batch", "context", "num_heads", "num_kv_heads", "head_dim", "block_size", "iters"):
+    for name in ("batch", "context", "num_heads", "num_kv_heads", "head_dim", "block_size", "iters", "queries"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.device == "cpu" and args.dtype == "bfloat16":
@@ -59,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "use --dtype float32 or float16")
     if args.num_heads % args.num_kv_heads:
         p.error(f"--num-heads ({args.num_heads}) must be a multiple of --num-kv-heads ({args.num_kv_heads})")
+    if args.queries > args.context:
+        p.error(f"--queries ({args.queries}) must be at most --context ({args.context})")
+    if args.vs_prefill_kernel and args.queries == 1:
+        p.error("--vs-prefill-kernel times a multi-query step: give --queries > 1")
     return args
 
 
@@ -107,9 +118,10 @@ def copy_bandwidth(device: str, timer, iters: int) -> float:
 
 
 def build_step(args, torch, Context):
-    """A decode-only step: `batch` sequences of `context` tokens each, their blocks a random
-    permutation of the cache, the block table as wide as the longest context; with
-    --kv-cache-dtype fp8 the cache holds those K/V quantized (scales KV_SCALE)."""
+    """A decode step (or, --queries > 1, a verify step: the last `queries` tokens of each sequence
+    are new): `batch` sequences of `context` tokens each, their blocks a random permutation of the
+    cache, the block table as wide as the longest context; with --kv-cache-dtype fp8 the cache holds
+    those K/V quantized (scales KV_SCALE)."""
     device, dtype = args.device, getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
     blocks_per_seq = -(-args.context // args.block_size)
@@ -127,13 +139,15 @@ def build_step(args, torch, Context):
         scale = torch.tensor(KV_SCALE, device=device)
         k_cache, v_cache = quantize_kv(k_cache, scale), quantize_kv(v_cache, scale)
     tables = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(args.batch, blocks_per_seq)
-    q = torch.randn(args.batch, args.num_heads, args.head_dim, generator=gen).to(dtype).to(device)
+    nq = args.queries
+    q = torch.randn(args.batch * nq, args.num_heads, args.head_dim, generator=gen).to(dtype).to(device)
     lens = [args.context] * args.batch
-    cu = list(range(args.batch + 1))
+    cu = list(range(0, (args.batch + 1) * nq, nq))
     i32 = dict(dtype=torch.int32, device=device)
-    context = Context(cu_seqlens_q=torch.tensor(cu, **i32), cu_seqlens_k=torch.tensor(cu, **i32) * args.context,
-                      seq_lens_k=torch.tensor(lens, **i32), max_seqlen_q=1, max_seqlen_k=args.context,
-                      block_tables=tables.to(device), decode_only=True, cu_seqlens_q_cpu=cu, seq_lens_k_cpu=lens)
+    context = Context(cu_seqlens_q=torch.tensor(cu, **i32),
+                      cu_seqlens_k=torch.arange(args.batch + 1, **i32) * args.context,
+                      seq_lens_k=torch.tensor(lens, **i32), max_seqlen_q=nq, max_seqlen_k=args.context,
+                      block_tables=tables.to(device), decode_only=nq == 1, cu_seqlens_q_cpu=cu, seq_lens_k_cpu=lens)
     return q, k_cache, v_cache, context
 
 
@@ -148,10 +162,12 @@ def check(out, q, k_cache, v_cache, context, scale, args, torch, Context, TorchB
         k_small, v_small = k_small.float(), v_small.float()
     tables = torch.arange(len(used), dtype=torch.int32).view(n, -1)
     lens = context.seq_lens_k_cpu[:n]
-    small = Context(block_tables=tables, decode_only=True, cu_seqlens_q_cpu=list(range(n + 1)), seq_lens_k_cpu=lens)
-    ref = TorchBackend.forward(q[:n].float().cpu(), None, None, k_small, v_small, small, scale,
+    nq = args.queries
+    small = Context(block_tables=tables, decode_only=nq == 1, cu_seqlens_q_cpu=list(range(0, (n + 1) * nq, nq)),
+                    seq_lens_k_cpu=lens)
+    ref = TorchBackend.forward(q[:n * nq].float().cpu(), None, None, k_small, v_small, small, scale,
                                *(s.cpu() for s in kv_scales))
-    return (out[:n].float().cpu() - ref).abs().max().item()
+    return (out[:n * nq].float().cpu() - ref).abs().max().item()
 
 
 def main(argv=None) -> dict:
@@ -189,6 +205,18 @@ def main(argv=None) -> dict:
                   copy_bandwidth_gbs=copy_bw / 1e9, fraction_of_copy=bandwidth / copy_bw,
                   max_abs_error=error, check_ok=error <= CHECK_TOL[args.dtype])
 
+    if args.vs_prefill_kernel:                           # the same step through the prefill kernel alone
+        prefill_out = torch.empty_like(q)
+        prefill = lambda: triton_attn._prefill(q, None, None, k_cache, v_cache, context, scale,  # noqa: E731
+                                               prefill_out, *kv_scales)
+        prefill()
+        timer(prefill, warmup)
+        prefill_seconds = timer(prefill, args.iters)
+        prefill_error = check(prefill_out, q, k_cache, v_cache, context, scale, args, torch, Context, TorchBackend,
+                              kv_scales)
+        result.update(prefill_kernel_time_per_call_s=prefill_seconds, speedup_vs_prefill_kernel=prefill_seconds / seconds,
+                      prefill_kernel_check_ok=prefill_error <= CHECK_TOL[args.dtype])
+
     if args.cuda_graph and args.device == "cuda":
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
@@ -205,7 +233,8 @@ def main(argv=None) -> dict:
         result.update(graph_time_per_call_s=graph_seconds, graph_bandwidth_gbs=kv_bytes / graph_seconds / 1e9,
                       graph_matches_eager=bool(torch.equal(graph_out, out)))
 
-    print(f"decode attention: batch {args.batch} x context {args.context}, heads {args.num_heads}/{args.num_kv_heads}, "
+    print(f"{'decode' if args.queries == 1 else f'verify ({args.queries} queries each)'} attention: "
+          f"batch {args.batch} x context {args.context}, heads {args.num_heads}/{args.num_kv_heads}, "
           f"head_dim {args.head_dim}, block_size {args.block_size}, {args.dtype} "
           f"(KV cache {str(k_cache.dtype).removeprefix('torch.')}) on {args.device}, "
           f"num_splits {num_splits}")
@@ -214,6 +243,10 @@ def main(argv=None) -> dict:
     print(f"  effective          {bandwidth / 1e9:12.1f} GB/s")
     print(f"  device copy        {copy_bw / 1e9:12.1f} GB/s  (read + write of a {'1 GiB' if args.device == 'cuda' else '16 MiB'} copy)")
     print(f"  fraction of copy   {bandwidth / copy_bw:12.3f}")
+    if "prefill_kernel_time_per_call_s" in result:
+        print(f"  prefill kernel     {result['prefill_kernel_time_per_call_s'] * 1e6:12.1f} us  (the same step; "
+              f"split-KV decode is {result['speedup_vs_prefill_kernel']:.2f}x faster; its output "
+              f"{'ok' if result['prefill_kernel_check_ok'] else 'FAILED'})")
     if "graph_time_per_call_s" in result:
         print(f"  CUDA graph replay  {result['graph_time_per_call_s'] * 1e6:12.1f} us  "
               f"({result['graph_bandwidth_gbs']:.1f} GB/s, equal to eager: {result['graph_matches_eager']})")
@@ -224,4 +257,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     outcome = main()  # (fails on a wrong result: eager against TorchBackend, or a graph replay unlike eager)
-    sys.exit(0 if outcome["check_ok"] and outcome.get("graph_matches_eager", True) else 1)
+    sys.exit(0 if outcome["check_ok"] and outcome.get("graph_matches_eager", True)
+             and outcome.get("prefill_kernel_check_ok", True) else 1)

@@ -11,8 +11,9 @@
 #      time limit (pytest-timeout, else faulthandler_timeout),
 #   2. the tests that failed there (up to 3; not those that ran out of time) once more, with
 #      CUDA_LAUNCH_BLOCKING=1, so that a CUDA error is reported at the launch that caused it,
-#   3. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens; fails if
-#      the kernel differs from the reference or its CUDA-graph replay from eager), and the kernels
+#   3. the decode-attention kernel micro-benchmark (batch 256, contexts of ~1,000 tokens; then a
+#      batch-1 verify step of 5 queries over 4,096 tokens, beside the prefill kernel on the same
+#      step; fails if a kernel differs from the reference or a CUDA-graph replay from eager), and the kernels
 #      a Qwen3-0.6B decode step launches per layer (scripts/count_kernels.py; fails above 15),
 #   4. bench.py on the default workload against Hugging Face (capped in time), then the synchronous
 #      loop (--no-async-scheduling: what overlap buys),
@@ -46,10 +47,10 @@ STEPS=(
   "50 gpu_tests gpu-marked tests"
   "40 kernel_tests Triton kernel tests on the GPU"
   "15 rerun_failures failed tests again, CUDA_LAUNCH_BLOCKING=1"
-  "10 decode_kernel decode kernel micro-benchmark (vs reference, graph vs eager)"
+  "14 decode_kernel decode kernel micro-benchmark, and a verify step's (vs reference, graph vs eager)"
   "12 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
   "56 bench_hf bench.py default workload vs HF"
-  "31 bench_sync bench.py default workload, synchronous loop"
+  "27 bench_sync bench.py default workload, synchronous loop"
   "35 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
   "10 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
   "10 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
@@ -110,7 +111,13 @@ rerun_failures() {
   ((${#failed_tests[@]})) || { echo "no test failed: nothing to rerun"; return 0; }
   env CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" "${failed_tests[@]}"
 }
-decode_kernel() { python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph; }
+decode_kernel() {
+  python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
+  local rc=$?
+  python3 scripts/bench_decode_attention.py --batch 1 --context 4096 --queries 5 --vs-prefill-kernel --cuda-graph \
+    --iters 20 || rc=1
+  return $rc
+}
 count_kernels() { python3 scripts/count_kernels.py --ops --max-per-layer 15; }
 bench_hf() { python3 bench.py --compare hf --hf-time-limit 15 --json; }
 bench_sync() { python3 bench.py --no-async-scheduling --json; }

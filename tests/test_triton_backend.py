@@ -566,6 +566,53 @@ def test_step_of_prefill_chunks_only_launches_no_decode_kernel(monkeypatch):
     context.cu_seqlens_q_cpu = host_copy
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, dtype", [(4, 2, torch.float32), (8, 2, torch.float16),
+                                                       (16, 2, torch.float16)])
+def test_verify_step_runs_split_kv_decode_alone(monkeypatch, num_heads, num_kv_heads, dtype):
+    """A speculative verify step (each sequence its last token and 0..4 drafts, 1..5 new tokens,
+    over a paged cache) is the split-KV decode kernel's alone: one launch over every sequence, its
+    rows (query, head) pairs, each query seeing the keys up to its own position, equal to the
+    reference; batch 1 splits its context many ways. (The prefill kernel took these steps before:
+    B x Hkv programs, each walking the whole context.) fp32 fits 16 rows, half precision 64."""
+    group = num_heads // num_kv_heads
+    tol = {} if dtype == torch.float32 else dict(atol=2e-3, rtol=1e-2)
+    for cached, new in (([700], [5]), ([30, 200, 64, 5, 129], [5, 1, 3, 5, 2])):
+        recorders = record_launches(monkeypatch)
+        gen = torch.Generator().manual_seed(sum(cached) + group)
+        q, k, v, cache, context = build_mixed_step(cached, new, num_heads, num_kv_heads, 64, 16, gen, dtype=dtype)
+        assert triton_attn.decode_max_queries(context, group, dtype, 64) == max(new)
+        out = TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.125)
+        assert_close(out, reference(q, k, v, cache, context, 0.125), **tol)
+        splits = context_num_splits(context, num_kv_heads, 16, triton_attn._num_sms(torch.device(DEVICE)))
+        assert recorders["_prefill_kernel"].launches == []
+        [(grid, flags)] = recorders["_decode_kernel"].launches
+        assert flags["MIXED"] and grid == (len(new), num_kv_heads, splits)
+        assert [g for g, _ in recorders["_reduce_kernel"].launches] == [(len(new) * max(new), num_heads)] * (splits > 1)
+        if len(new) == 1:
+            assert splits >= 5, "a batch-1 verify step should split its 700-token context"
+
+
+def test_decode_with_cu_seqlens_q_attends_only_sequences_of_up_to_max_queries():
+    """decode(cu_seqlens_q=..., max_queries=Q) writes the rows of the sequences with 1..Q new
+    queries, and leaves a longer sequence's rows (the prefill kernel's) as they were, whatever the
+    split count; its argument checks name what is allowed."""
+    gen = torch.Generator().manual_seed(31)
+    q, k, v, cache, context = build_mixed_step([40, 3, 100], [2, 4, 1], 4, 2, 32, 16, gen)
+    ref = reference(q, k, v, cache, context, 0.2)
+    for num_splits in (1, 3, 16):
+        out = torch.full_like(q, float("nan"))
+        decode(q, cache.k, cache.v, context.seq_lens_k, context.block_tables, 0.2, out, num_splits,
+               cu_seqlens_q=context.cu_seqlens_q, max_queries=2)
+        mine = [0, 1, 6]                                 # sequence 0's two rows, sequence 2's one
+        assert_close(out[mine], ref[mine])
+        assert out[2:6].isnan().all()
+    with pytest.raises(ValueError, match=r"max_queries must be 1, or with cu_seqlens_q an int >= 1, got 2"):
+        decode(q[:3], cache.k, cache.v, context.seq_lens_k, context.block_tables, 0.2, max_queries=2)
+    with pytest.raises(ValueError, match=r"max_queries \(9\) x 2 query heads per kv head must be at most 16 rows"):
+        decode(q, cache.k, cache.v, context.seq_lens_k, context.block_tables, 0.2,
+               cu_seqlens_q=context.cu_seqlens_q, max_queries=9)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="the real shape is for the compiled kernels on a GPU")
 def test_mixed_step_at_serving_shape_on_gpu(monkeypatch):
@@ -647,6 +694,24 @@ def test_bench_decode_attention_cpu_smoke(capsys, kv_cache_dtype, itemsize):
     assert result["time_per_call_s"] > 0 and result["copy_bandwidth_gbs"] > 0
     assert "GB/s" in out and "max abs error" in out
     assert ("float8_e4m3fn" in out) == (kv_cache_dtype == "fp8")
+
+
+def test_bench_decode_attention_verify_step_cpu_smoke(capsys):
+    """--queries 1 + k: a verify step's attention, checked against TorchBackend, beside the prefill
+    kernel on the same step (--vs-prefill-kernel), whose output is checked too."""
+    if DEVICE != "cpu":
+        pytest.skip("the CPU smoke run is for interpreter machines")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_decode_attention
+    result = bench_decode_attention.main(["--device", "cpu", "--batch", "2", "--context", "40", "--num-heads", "4",
+                                          "--num-kv-heads", "2", "--head-dim", "32", "--dtype", "float32",
+                                          "--iters", "1", "--queries", "5", "--vs-prefill-kernel"])
+    out = capsys.readouterr().out
+    assert result["check_ok"] and result["prefill_kernel_check_ok"]
+    assert result["prefill_kernel_time_per_call_s"] > 0 and result["speedup_vs_prefill_kernel"] > 0
+    assert "verify (5 queries each)" in out and "prefill kernel" in out
+    with pytest.raises(SystemExit):
+        bench_decode_attention.main(["--device", "cpu", "--vs-prefill-kernel"])
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the engine-level CPU run needs the interpreter; test_gpu.py covers CUDA")

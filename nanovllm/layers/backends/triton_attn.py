@@ -9,6 +9,9 @@
                      sequence's own query count ("Work items" below), not the longest one's.
   _decode_kernel     split-KV decode: a program takes all H/Hkv query heads of one kv head (padded to
                      >= 16 rows for tl.dot) and one share of the context, writing a partial (max, sum, acc)
+                     for each; with up to max_queries queries per sequence (a speculative verify step:
+                     the last token and k drafts), its rows are (query, head-in-group) pairs, each query
+                     masked to the keys up to its own position.
   _reduce_kernel     combines the splits' partials (skipped when num_splits == 1).
 
 Mixed steps (prefill chunks beside decode rows) run both: split-KV decode for the sequences with one
@@ -16,7 +19,10 @@ new token, the prefill kernel for the others. One kernel for all would walk each
 context in one program, and a grid of max_q's tiles per sequence is mostly idle (an 8K-token chunk
 beside 255 decode rows, 4 query heads per kv head: 512 x 256 programs per kv head for ~800 tiles). The
 decode rows' split count uses B, not the padded batch (a mixed step is never a graph replay), so a
-row's bits may differ between the two kinds of step.
+row's bits may differ between the two kinds of step. A step in which every sequence has a few new
+tokens (decode_max_queries: a verify step, eager or a graph replay) runs the decode kernel alone,
+split-KV over every sequence: in the prefill kernel a batch-1 verify step would be Hkv programs
+(8 of an H200's 132 SMs), each walking the whole context.
 
 Work items of the prefill kernel. Sequence b has n_b = cu_q[b+1] - cu_q[b] new queries, i.e. r =
 n_b * GROUP rows in cdiv(r, BLOCK_M) tiles, the first of them work item
@@ -91,8 +97,8 @@ MAX_SPLITS = 64                # bounds the reduce kernel's tile and the partial
 # innermost 1 (head_dim contiguous: 16-byte vector loads/stores), outer multiples of 16 (rows aligned).
 STORE_KV_DYNAMIC_ARGS = ["num_tokens"]
 PREFILL_DYNAMIC_ARGS = ["s_bt", "num_seqs"]
-DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits"]   # s_mb = H * num_splits, s_mh = num_splits
-REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits"]
+DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits", "max_queries"]   # s_mb = H * num_splits, s_mh = num_splits
+REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits", "max_queries"]
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -237,49 +243,63 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _decode_queries(b, cu_q_ptr, max_queries, MIXED: tl.constexpr):
+    """(first row, count) of sequence b's queries for the decode kernels: with MIXED, its n new
+    queries from row cu_q[b] if n <= max_queries (else none: a longer sequence is the prefill
+    kernel's); else one query, in row b."""
+    if MIXED:
+        row0 = tl.load(cu_q_ptr + b)
+        n = tl.load(cu_q_ptr + b + 1) - row0
+        n = tl.where(n <= max_queries, n, 0)
+    else:
+        row0 = b
+        n = b * 0 + 1
+    return row0.to(tl.int64), n
+
+
 @triton.jit(do_not_specialize=DECODE_DYNAMIC_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
                    seq_lens_ptr, bt_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_bt,
-                   s_mb, s_mh, s_ms,                     # mid_m / mid_l [B, H, S]; mid_o [B, H, S, BLOCK_D]
-                   scale_log2, num_splits,
+                   s_mb, s_mh, s_ms,                     # mid_m / mid_l [B * max_queries, H, S]; mid_o [.., BLOCK_D]
+                   scale_log2, num_splits, max_queries,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT_KV: tl.constexpr, MIXED: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    KV_FP8: tl.constexpr):
-    """Grid (B, Hkv, num_splits); sequence b's only query is at position length-1, in row b of q
-    (decode-only steps) or, MIXED, in row cu_q[b] of a mixed step's q, where sequences with more
-    than one new query are the prefill kernel's and their programs idle (cu_q_ptr unused otherwise).
+    """Grid (B, Hkv, num_splits). Sequence b's queries (_decode_queries: one in row b, or MIXED its
+    n <= max_queries in rows cu_q[b] ..; a sequence with more idles, cu_q_ptr unused otherwise) at
+    positions length - n .. length - 1; a program's rows are its (query, head-in-group) pairs of kv
+    head kvh (BLOCK_G >= n * GROUP), each seeing keys up to its own position.
 
-    num_splits is a runtime value, not a constexpr (nor specialized): eager steps of different
-    padded batch sizes use different counts, and each would otherwise compile a new variant.
-    SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing `out`.
-    KV_FP8: the caches are fp8, dequantized with the scales (see the module's docstring)."""
+    num_splits and max_queries are runtime values, not constexprs (nor specialized): eager steps
+    of different padded batch sizes use different counts, and each would otherwise compile a new
+    variant. SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing
+    `out`, at index b * max_queries + query. KV_FP8: the caches are fp8, dequantized with the
+    scales (see the module's docstring)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(seq_lens_ptr + b)                   # 0 for CUDA-graph padding rows
-    g = tl.arange(0, BLOCK_G)
-    if MIXED:
-        row = tl.load(cu_q_ptr + b)
-        single = tl.load(cu_q_ptr + b + 1) - row == 1
-        length = tl.where(single, length, 0)             # no keys to read,
-        g_ok = g < tl.where(single, GROUP, 0)            # no query heads: nothing loaded or stored
-        row = row.to(tl.int64)
-    else:
-        g_ok = g < GROUP
-        row = b.to(tl.int64)
+    row0, n = _decode_queries(b, cu_q_ptr, max_queries, MIXED)
+    length = tl.where(n > 0, length, 0)                  # another kernel's sequence: no keys to read
+    r = tl.arange(0, BLOCK_G)
+    qi = r // GROUP                                      # the row's query, and its head in the group
+    g_ok = qi < n                                        # (none when n = 0: nothing loaded or stored)
+    q_pos = length - n + qi                              # the query's position: it sees keys 0 .. q_pos
     # This split's keys: an equal share of the context, in whole tiles, so no split is empty
     # unless the context has fewer tiles than there are splits.
     tiles_per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
 
-    head = kvh * GROUP + g                               # the query heads sharing kv head kvh
+    head = kvh * GROUP + r % GROUP                       # the query heads sharing kv head kvh
+    rows = row0 + qi
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + row * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+    q = tl.load(q_ptr + rows[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)                       # [BLOCK_G, BLOCK_D]
 
     qk_scale = scale_log2
@@ -300,7 +320,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
         if KV_FP8:
             kt = kt.to(q.dtype)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale                # [BLOCK_G, BLOCK_N]
-        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        qk = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -315,45 +335,41 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     if SPLIT_KV:
-        mid = b.to(tl.int64) * s_mb + head * s_mh + split * s_ms                     # [BLOCK_G]
+        mid = (b.to(tl.int64) * max_queries + qi) * s_mb + head * s_mh + split * s_ms   # [BLOCK_G]
         tl.store(mid_m_ptr + mid, m_i, mask=g_ok)
         tl.store(mid_l_ptr + mid, l_i, mask=g_ok)
         tl.store(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+        tl.store(out_ptr + rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=REDUCE_DYNAMIC_ARGS)
 def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cu_q_ptr,
-                   s_ot, s_oh, s_od, s_mb, s_mh, s_ms, num_splits,
+                   s_ot, s_oh, s_od, s_mb, s_mh, s_ms, num_splits, max_queries,
                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
-    """Grid (B, H): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s, in row
-    b of out, or (MIXED, as _decode_kernel) row cu_q[b], only for sequences with one new query."""
-    b = tl.program_id(0).to(tl.int64)
+    """Grid (B * max_queries, H): for query i of sequence b (program b * max_queries + i; as
+    _decode_kernel, _decode_queries' rows), out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
+    M = max_s m_s. A query the sequence does not have reads and stores nothing."""
+    p = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    b = p // max_queries
+    i = p % max_queries
+    row0, n = _decode_queries(b, cu_q_ptr, max_queries, MIXED)
     s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    if MIXED:  # a sequence with more queries has no partials (see _decode_kernel): read and store nothing
-        row = tl.load(cu_q_ptr + b)
-        single = tl.load(cu_q_ptr + b + 1) - row == 1
-        s_ok = s < tl.where(single, num_splits, 0)
-        d_ok = offs_d < tl.where(single, HEAD_DIM, 0)
-        row = row.to(tl.int64)
-    else:
-        s_ok = s < num_splits
-        d_ok = offs_d < HEAD_DIM
-        row = b
-    mid = b * s_mb + h * s_mh + s * s_ms
+    s_ok = s < tl.where(i < n, num_splits, 0)
+    d_ok = offs_d < tl.where(i < n, HEAD_DIM, 0)
+    mid = p * s_mb + h * s_mh + s * s_ms
     m = tl.load(mid_m_ptr + mid, mask=s_ok, other=NEG_BIG)
     l = tl.load(mid_l_ptr + mid, mask=s_ok, other=0.0)
     acc = tl.load(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))                        # empty splits: m = NEG_BIG, l = 0, acc = 0
     total = tl.sum(w * l, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + (row0 + i) * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 # ---- host side ------------------------------------------------------------------------------
@@ -474,14 +490,50 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
     return out
 
 
+def decode_max_queries(context: Context, group: int, dtype: torch.dtype, head_dim: int) -> int:
+    """The queries per sequence a paged step's split-KV decode launch takes: 1 for a decode step; a
+    verify step's (or any step whose sequences each have a few new tokens) max_seqlen_q when its
+    rows, max_seqlen_q * group, fit a decode program (decode_max_rows); else 0 (the prefill kernel)."""
+    if context.decode_only:
+        return 1
+    fits = 1 < context.max_seqlen_q and context.max_seqlen_q * group <= decode_max_rows(dtype, head_dim)
+    return context.max_seqlen_q if fits else 0
+
+
+def decode_max_rows(dtype: torch.dtype, head_dim: int) -> int:
+    """(query, head) rows one decode program may take: the prefill kernel's 64 (32 past head_dim
+    128), 16 in fp32. Compiled for sm_90 under triton 3.6 (ptxas via cuobjdump, no GPU), 64 rows
+    at D=128 take ~210 registers and 82 KB shared, no spills; at D=256 they spill (104 bytes, 164 KB
+    shared) and 32 rows do not; exact fp32 spills 6 KB at 32 rows, none at 16."""
+    if dtype == torch.float32:
+        return MIN_DOT_ROWS
+    return PREFILL_BLOCK_M if _block_d(head_dim) <= 128 else PREFILL_BLOCK_M // 2
+
+
+def _decode_block_g(group: int, max_queries: int, dtype: torch.dtype, head_dim: int) -> int:
+    """A decode program's rows: its kv head's query heads (padded to tl.dot's 16); with more queries
+    per sequence, always decode_max_rows, whatever max_queries: one compiled variant for every
+    verify step (1 + k varies with the drafts) and mixed step of short chunks."""
+    if max_queries == 1:
+        return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+    rows = decode_max_rows(dtype, head_dim)
+    if max_queries * group > rows:
+        raise ValueError(f"max_queries ({max_queries}) x {group} query heads per kv head must be at most "
+                         f"{rows} rows (decode_max_rows for {dtype}, head_dim {head_dim})")
+    return rows
+
+
 def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: torch.Tensor | None = None,
            num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
-           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+           max_queries: int = 1) -> torch.Tensor:
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
-    cu_seqlens_q [B+1] (mixed steps): q and out are all T rows of the step, [T, H, D], and only the
-    sequences with one row are attended (their row of out written). No host sync: CUDA-graph safe.
-    num_splits=None: decode_num_splits of these shapes. k_scale, v_scale: see kv_scales.
+    cu_seqlens_q [B+1]: q and out are all T rows of the step, [T, H, D], and only the sequences with
+    at most max_queries new rows are attended (their rows of out written): a mixed step's one-token
+    rows (max_queries 1), or a verify step's 1 + k (each row sees keys up to its own position).
+    No host sync: CUDA-graph safe. num_splits=None: decode_num_splits of these shapes. k_scale,
+    v_scale: see kv_scales.
     """
     num_rows, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
@@ -494,15 +546,18 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
     if cu_seqlens_q is not None and cu_seqlens_q.shape[0] != batch + 1:
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for {batch} sequences (needs B+1)")
     group = num_heads // num_kv_heads
+    if (isinstance(max_queries, bool) or not isinstance(max_queries, int) or max_queries < 1
+            or (cu_seqlens_q is None and max_queries != 1)):
+        raise ValueError(f"max_queries must be 1, or with cu_seqlens_q an int >= 1, got {max_queries!r}")
     block_d = _block_d(head_dim)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
     if num_splits > 1:
-        mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        mid_m = torch.empty((batch * max_queries, num_heads, num_splits), dtype=torch.float32, device=q.device)
         mid_l = torch.empty_like(mid_m)
-        mid_o = torch.empty((batch, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((batch * max_queries, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     else:                                   # the kernel writes `out` directly; these are not touched
         mid_m = mid_l = mid_o = out
     mixed = cu_seqlens_q is not None
@@ -512,15 +567,15 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
         q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q, k_scale, v_scale,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         num_heads * num_splits, num_splits, 1,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, max_queries,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1, MIXED=mixed,
-        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_G=_decode_block_g(group, max_queries, q.dtype, head_dim), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=4, num_stages=2)
     if num_splits > 1:
-        _reduce_kernel[(batch, num_heads)](
+        _reduce_kernel[(batch * max_queries, num_heads)](
             out, mid_o, mid_m, mid_l, cu_q, *out.stride(), num_heads * num_splits, num_splits, 1, num_splits,
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            max_queries, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d, MIXED=mixed, num_warps=4)
     return out
 
@@ -554,8 +609,12 @@ class TritonBackend:
             return out
         if context.block_tables is not None and k_cache is None:
             raise ValueError("context.block_tables is set but the attention layer has no KV cache")
-        if context.decode_only and context.block_tables is not None:
-            num_splits = context_num_splits(context, k_cache.shape[2], k_cache.shape[1], _num_sms(q.device))
+        num_kv_heads = k_cache.shape[2] if k_cache is not None else 0
+        max_queries = (decode_max_queries(context, q.shape[1] // num_kv_heads, q.dtype, q.shape[2])
+                       if context.block_tables is not None else 0)
+        if max_queries:                 # decode, or a verify step: split-KV decode for every sequence
+            num_splits = context_num_splits(context, num_kv_heads, k_cache.shape[1], _num_sms(q.device))
             return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits,
-                          k_scale=k_scale, v_scale=v_scale)
+                          cu_seqlens_q=None if context.decode_only else context.cu_seqlens_q,
+                          k_scale=k_scale, v_scale=v_scale, max_queries=max_queries)
         return _prefill(q, k, v, k_cache, v_cache, context, scale, out, k_scale, v_scale)
