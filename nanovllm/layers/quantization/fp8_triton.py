@@ -189,7 +189,8 @@ def tile_options(num_tokens: int, bk: int) -> tuple[Tiles, ...]:
     """The tiles split_k.plan may pick for num_tokens rows, widest first (K tiles of block_k_for(bk))."""
     block_m, widths = ((DECODE_BLOCK_M, DECODE_WIDTHS) if num_tokens <= DECODE_MAX_TOKENS
                        else (PREFILL_BLOCK_M, PREFILL_WIDTHS))
-    return tuple(Tiles(block_m, width, block_k_for(bk), NUM_WARPS, WIDE_STAGES if width == 128 else NARROW_STAGES)
+    block_k = block_k_for(bk)
+    return tuple(Tiles(block_m, width, block_k, NUM_WARPS, WIDE_STAGES if width == 128 else NARROW_STAGES)
                  for width in widths)
 
 
