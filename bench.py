@@ -121,6 +121,40 @@ def percentiles(values):
     return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
 
 
+# The probe (--probe-save, --probe-check): the logprobs a model gives every prompt token of a fixed
+# set after the first, run after the timed run. Its steps' GEMMs have 16, 96 and 800 rows (given
+# max_num_seqs >= 48): decode tiles, the 64-row ones, prefill tiles (2-token prompts take the
+# multi-query decode kernel); each is checked apart, so that a fault in one is not diluted.
+PROBE_STEPS = {"16 rows": ((8, 2),) * 4, "96 rows": ((48, 2),), "800 rows": ((4, 200),)}  # (prompts, tokens)
+PROBE_SEED = 1
+
+
+def probe_logprobs(llm, vocab_size: int) -> dict[str, list[float]]:
+    rng = random.Random(PROBE_SEED)
+    probe = {}
+    for name, batches in PROBE_STEPS.items():
+        values = probe[name] = []
+        for count, length in batches:
+            prompts = [[rng.randint(WARMUP_TOKEN + 2, min(MAX_TOKEN_ID, vocab_size - 1)) for _ in range(length)]
+                       for _ in range(count)]
+            outputs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+            values += [logprob for o in outputs for entry in o["prompt_logprobs"][1:] for logprob in entry.values()]
+    return probe
+
+
+def probe_error(probe: dict[str, list[float]], reference: dict[str, list[float]]) -> dict[str, float]:
+    """Per probe step: |a - b| / |b| of the two models' logprobs, each centred on its mean (a shift
+    of them all, log Z, is not an error: the weights decide their spread). NaN stays NaN."""
+    if probe.keys() != reference.keys() or any(len(probe[k]) != len(reference[k]) for k in probe):
+        raise ValueError(f"the reference probe is not this one: steps {sorted(reference)}, not {sorted(probe)}")
+    errors = {}
+    for name in probe:
+        a, b = torch.tensor(probe[name], dtype=torch.float64), torch.tensor(reference[name], dtype=torch.float64)
+        a, b = a - a.mean(), b - b.mean()
+        errors[name] = float((a - b).norm() / b.norm())
+    return errors
+
+
 def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -244,6 +278,8 @@ def run_nanovllm(args, path, prompts, max_tokens):
     if args.timeline:
         draw_timeline(recorder.records, stats["num_blocks"], args.timeline)
         result["timeline"] = args.timeline
+    if args.probe_save or args.probe_check:
+        result["probe"] = probe_logprobs(llm, llm.config.hf_config.vocab_size)
     llm.shutdown()
     del llm
     return result
@@ -364,6 +400,12 @@ def parse_args(argv=None):
     p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--timeline", metavar="FILE.png", help="draw the run step by step (needs matplotlib)")
+    p.add_argument("--probe-save", metavar="FILE.json", help="after the run, write the probe's logprobs (the "
+                   "reference of a --probe-check: the unquantized model)")
+    p.add_argument("--probe-check", metavar="FILE.json", help="after the run, compare the probe's logprobs with "
+                   "FILE's (a quantized model against the unquantized one, same --dummy weights); exit 1 past "
+                   "--probe-max-error")
+    p.add_argument("--probe-max-error", type=float, default=0.1, help="the bound of --probe-check: relative L2 error")
     args = p.parse_args(argv)
     if args.model and args.dummy:
         p.error("--model and --dummy are exclusive")
@@ -395,8 +437,8 @@ def main(argv=None):
           f"{result['output_tok_per_s']:.1f} tok/s (total {result['total_tok_per_s']:.1f} tok/s; "
           f"prefill {result['prefill_tok_per_s']:.1f}, decode {result['decode_tok_per_s']:.1f} tok/s)")
     for key in ("ttft_s", "tpot_s"):
-        q = result[key]
-        print(f"  {key[:-2].upper()}: p50 {q['p50'] * 1e3:.1f} ms, p90 {q['p90'] * 1e3:.1f} ms, p99 {q['p99'] * 1e3:.1f} ms")
+        q = result[key]  # (no TPOT when every request asked for one token)
+        print(f"  {key[:-2].upper()}: " + ", ".join(f"{p} {'-' if q[p] is None else f'{q[p] * 1e3:.1f} ms'}" for p in q))
     print(f"  target forwards per output token: {result['target_forwards_per_output_token']:.3f}")
     print(f"  weights: {result['weight_bytes'] / 2**20:.1f} MiB, of which linear layers and experts "
           f"{result['linear_weight_bytes'] / 2**20:.1f} MiB; KV cache: {result['num_kv_blocks']} blocks")
@@ -413,10 +455,23 @@ def main(argv=None):
               f"{baseline['elapsed_s']:.2f}s = {baseline['output_tok_per_s']:.1f} tok/s"
               f"{' (capped by --hf-time-limit)' if baseline['capped'] else ''}")
         print(f"ratio nanovllm / HF (output tok/s): {result['ratio']:.2f}x")
+    if args.probe_save:
+        with open(args.probe_save, "w") as f:
+            json.dump({"model": result["model"], "probe": result["probe"]}, f)
+        print(f"probe: {sum(map(len, result['probe'].values()))} logprobs written to {args.probe_save}")
+    if args.probe_check:
+        with open(args.probe_check) as f:
+            reference = json.load(f)
+        errors = result["probe_error"] = probe_error(result["probe"], reference["probe"])
+        result["probe_ok"] = all(e <= args.probe_max_error for e in errors.values())  # (False for a NaN)
+        print(f"probe: relative error against {reference['model']} ({args.probe_check}): "
+              f"{', '.join(f'{e:.4f} at {name}' for name, e in errors.items())}; bound {args.probe_max_error}: "
+              f"{'PASS' if result['probe_ok'] else 'FAIL'}")
+    result.pop("probe", None)
     if args.json:
         print(json.dumps(result))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main().get("probe_ok", True) else 1)

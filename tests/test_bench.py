@@ -4,10 +4,12 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
+from nanovllm import LLM  # noqa: E402
 
 
 def test_default_workload_draws_133966_output_tokens():
@@ -48,7 +50,6 @@ def test_capped_baseline_reports_what_it_finished(capsys):
 
 def test_timeline_draws_every_step(tmp_path):
     """--timeline records every timed step (with preemptions under a small KV cache) and draws them."""
-    import pytest
     pytest.importorskip("matplotlib", reason="--timeline needs matplotlib (the 'plot' extra)")
     png = tmp_path / "timeline.png"
     result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
@@ -80,7 +81,6 @@ def test_speculative_run_with_a_dummy_draft_and_its_timeline(tmp_path, monkeypat
     """--speculative-config with the target's own preset as the draft ("dummy:qwen3-tiny": the
     same random weights): every draft is accepted, about 1 / (k + 1) target forwards per output
     token, and the timeline records each step's drafts and tokens out."""
-    import pytest
     pytest.importorskip("matplotlib", reason="--timeline needs matplotlib (the 'plot' extra)")
     records = []
     monkeypatch.setattr(bench, "draw_timeline", lambda steps, num_blocks, path: records.extend(steps))
@@ -146,3 +146,64 @@ def test_bench_host_compares_with_upstream(capsys):
     assert set(results) == {"ours", "upstream"} and results["ours"].keys() == results["upstream"].keys()
     assert all(v[0] > 0 for side in results.values() for v in side.values())
     assert "ours/upstream" in capsys.readouterr().out
+
+
+# ---- the probe: quantized output against the unquantized model's --------------------------------
+PROBE_RUN = ["--num-seqs", "2", "--min-input-len", "8", "--max-input-len", "8", "--min-output-len", "1",
+             "--max-output-len", "1", "--device", "cpu", "--max-model-len", "256"]
+
+
+def probe_run(tmp_path, *extra, build=None, monkeypatch=None):
+    """bench.main on qwen3-tiny with --probe-check against its unquantized probe (saved once);
+    build: wraps the LLM the run builds (to break one of its layers)."""
+    reference = tmp_path / "reference.json"
+    if not reference.exists():
+        bench.main(["--dummy", "qwen3-tiny", *PROBE_RUN, "--probe-save", str(reference)])
+    if build is not None:
+        monkeypatch.setattr(bench, "LLM", build)
+    return bench.main(["--dummy", "qwen3-tiny", *PROBE_RUN, *extra, "--probe-check", str(reference)])
+
+
+def test_probe_of_each_quantized_dummy_model_is_near_the_unquantized_one(tmp_path):
+    """A dummy FP8 block or AWQ checkpoint is the unquantized random model quantized (the same draws),
+    so its probe lies within the quantization's error of the unquantized probe: on qwen3-tiny
+    about 0.10 (fp8), 0.27 (int4), 0.06 (fp8 KV cache), against sqrt(2) for unrelated weights."""
+    bounds = {("--quantization", "fp8"): 0.15, ("--dummy", "qwen3-tiny-fp8"): 0.15,
+              ("--dummy", "qwen3-tiny-awq"): 0.4, ("--kv-cache-dtype", "fp8"): 0.1}
+    for extra, bound in bounds.items():
+        result = probe_run(tmp_path, *extra, "--probe-max-error", str(bound))
+        assert result["probe_ok"] and set(result["probe_error"]) == set(bench.PROBE_STEPS), (extra, result)
+        assert 0.005 < max(result["probe_error"].values()) <= bound, (extra, result["probe_error"])
+    assert probe_run(tmp_path)["probe_error"] == dict.fromkeys(bench.PROBE_STEPS, 0.0)
+
+
+def off_by(part: str, factor: float):
+    """An LLM factory whose layers named *part have their output scaled by factor."""
+    def build(*args, **kwargs):
+        llm = LLM(*args, **kwargs)
+        for name, module in llm.model_runner.model.named_modules():
+            if name.endswith(part):
+                module.register_forward_hook(lambda mod, inputs, out: out * factor)
+        return llm
+    return build
+
+
+@pytest.mark.parametrize("part", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+def test_probe_sees_every_layer(tmp_path, monkeypatch, part):
+    """Every layer has its share in the dummy model's output (weights of variance 1 / fan_in; the
+    earlier +-1e-3 weights hid the MLP: 1e-4 for its output 10% off): one kind of layer 10% off
+    moves the probe by 3% or more at every step, and a sign error fails it at any bound used."""
+    errors = probe_run(tmp_path, build=off_by(part, 1.1), monkeypatch=monkeypatch)["probe_error"]
+    assert min(errors.values()) > 0.03, errors
+    result = probe_run(tmp_path, "--probe-max-error", "0.4", build=off_by(part, -1.0), monkeypatch=monkeypatch)
+    assert not result["probe_ok"] and min(result["probe_error"].values()) > 0.5, result["probe_error"]
+
+
+def test_probe_check_exits_1_past_its_bound(tmp_path):
+    import subprocess
+    reference = tmp_path / "reference.json"
+    bench.main(["--dummy", "qwen3-tiny", *PROBE_RUN, "--probe-save", str(reference)])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "bench.py", "--dummy", "qwen3-tiny-awq", *PROBE_RUN, "--probe-check",
+                          str(reference), "--probe-max-error", "0.01"], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 1 and "bound 0.01: FAIL" in run.stdout, run.stdout + run.stderr

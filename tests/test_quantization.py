@@ -132,6 +132,33 @@ def test_dummy_weights_of_every_scheme_generate(checkpoints):
                                                     for lp in o["logprobs"]) for o in out)
 
 
+def test_dummy_quantized_checkpoints_hold_the_unquantized_draws_quantized(checkpoints):
+    """load_format="dummy" on an FP8 block or AWQ checkpoint gives each layer the unquantized
+    model's random weight, quantized (bench.py --probe-check relies on it): dequantized, every
+    layer is within the scheme's rounding of the unquantized layer's weight."""
+    from nanovllm.layers.quantization import awq, fp8
+
+    def layers(path):
+        llm = LLM(path, load_format="dummy", max_model_len=MAX_LEN)
+        found = {n: m for n, m in llm.model_runner.model.named_modules() if isinstance(m, LinearBase)}
+        llm.shutdown()
+        return found
+    base = layers(checkpoints["base"])
+    # (relative to the largest |w|: half an fp8 step; an int4 step of a group whose range is twice that)
+    for scheme, tol in (("fp8", 2 ** -4), ("awq", 2 / 15)):
+        quantized = layers(checkpoints[scheme])
+        assert quantized.keys() == base.keys()
+        for name, layer in quantized.items():
+            if layer.quant_method is None:
+                continue
+            if scheme == "fp8":
+                w = fp8.dequantize_block(layer.weight, layer.weight_scale_inv, layer.quant_method.block, torch.float32)
+            else:
+                w = awq.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.quant_method.group, torch.float32).T
+            expected = base[name].weight.float()
+            assert (w - expected).abs().max() <= tol * expected.abs().max(), (scheme, name)
+
+
 # ---- what cannot be loaded ------------------------------------------------------------------------
 def edit_quantization_config(edit):
     """edit_model's edit_config for an edit of config.json's quantization_config."""

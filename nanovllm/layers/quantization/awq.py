@@ -73,6 +73,11 @@ class AwqLinearMethod:
         new_param(layer, "scales", (input_size // g, output_size), torch.float16,
                   Axes(output_dim=1, input_dim=0, input_pack=g))
 
+    def checkpoint_tensors(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a checkpoint of the float weight w [out, in] holds (dummy weights are one)."""
+        qweight, qzeros, scales = quantize(w.T.contiguous(), self.group)
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
             kernels = import_kernels("nanovllm.layers.quantization.awq_triton", "cuda", "the AWQ GEMM")

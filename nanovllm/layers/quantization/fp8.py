@@ -127,6 +127,11 @@ class Fp8BlockLinearMethod:
         new_param(layer, "weight_scale_inv", (-(-output_size // bn), -(-input_size // bk)), torch.float32,
                   Axes(output_dim=0, input_dim=1, output_pack=bn, input_pack=bk))
 
+    def checkpoint_tensors(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a checkpoint of the float weight w [out, in] holds (dummy weights are one)."""
+        q, scale_inv = quantize_block(w, self.block)
+        return {"weight": q, "weight_scale_inv": scale_inv}
+
     def process_weights_after_loading(self, layer):
         self.use_kernel = has_fp8_tensor_cores(layer.weight)  # (its fp8 x fp8 dot needs them)
 
