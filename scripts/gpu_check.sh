@@ -5,6 +5,9 @@
 # (360 s: 6 minutes, so a second try still fits in a 15-minute device session);
 # `bash scripts/gpu_check.sh --plan` prints them with their sum and exits (tests/test_gpu_check.py).
 #
+#   0. a warm-up: the steps below that build an engine or run a kernel, all at once, each small (16
+#      tokens out, a small KV cache, one timed iteration): their Triton compiles fill the cache here,
+#      in parallel, not in the timed boxes one after another (one it misses still compiles in its step),
 #   1. the gpu-marked tests, then the Triton kernel tests (attention, MoE, quantized GEMMs, fused
 #      elementwise kernels; compiled, on GPU tensors; in 4 processes with pytest-xdist where it is
 #      there, so that cold compiles overlap); neither stops at a failure, and each test has its own
@@ -22,8 +25,10 @@
 #   6. batch-1 greedy decode of a repetitive prompt, plain, with n-gram speculation, and with a draft
 #      model equal to the target (every draft accepted: the mechanism's bound),
 #   7. quantization: the GEMM micro-benchmark (bf16, block FP8, AWQ), the decode kernel over an FP8
-#      KV cache, and one short bench.py workload in bf16, fp8 (online), an FP8 block checkpoint's
-#      shape, an AWQ checkpoint's shape and with an FP8 KV cache,
+#      KV cache, and one short bench.py workload in bf16, fp8 (online), an FP8 block checkpoint,
+#      an AWQ checkpoint and with an FP8 KV cache; each quantized run's probe (bench.py: the logprobs
+#      of a fixed prompt set; the dummy checkpoints are the bf16 random model quantized) is checked
+#      against the bf16 run's, within its scheme's bound (PROBE_BOUNDS),
 #   8. the multi-turn benchmark of the prefix cache's host tier, off and on (fails if the tier
 #      saves no prefill).
 # bench.py sizes max_num_seqs to its workload (the CUDA-graph ladder it captures with it).
@@ -44,25 +49,26 @@ MAX_RERUNS=3
 # ---- the steps: box (s), function, name --------------------------------------------------------
 # (estimates: no step has run on a GPU yet; a step's verdict TIME says which box to widen)
 STEPS=(
-  "50 gpu_tests gpu-marked tests"
-  "40 kernel_tests Triton kernel tests on the GPU"
+  "45 warm_up warm-up: the steps below at once, small (Triton compiles)"
+  "45 gpu_tests gpu-marked tests"
+  "38 kernel_tests Triton kernel tests on the GPU"
   "15 rerun_failures failed tests again, CUDA_LAUNCH_BLOCKING=1"
-  "14 decode_kernel decode kernel micro-benchmark, and a verify step's (vs reference, graph vs eager)"
-  "12 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
-  "56 bench_hf bench.py default workload vs HF"
-  "27 bench_sync bench.py default workload, synchronous loop"
-  "35 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
-  "10 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
-  "10 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
-  "10 batch1_draft bench.py batch-1, draft model = target (k=4)"
-  "8 quant_gemm quantized GEMM micro-benchmark"
-  "8 fp8_kv_decode decode kernel micro-benchmark, fp8 KV cache"
-  "10 quant_bf16 bench.py short workload, bf16"
-  "10 quant_fp8 bench.py short workload, quantization=fp8 (online)"
-  "10 quant_fp8_block bench.py short workload, FP8 block checkpoint shape"
-  "10 quant_awq bench.py short workload, AWQ checkpoint shape"
-  "10 quant_fp8_kv bench.py short workload, fp8 KV cache"
-  "15 multiturn bench_multiturn.py qwen3-0.6b, host tier off and on"
+  "12 decode_kernel decode kernel micro-benchmark, and a verify step's (vs reference, graph vs eager)"
+  "10 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
+  "50 bench_hf bench.py default workload vs HF"
+  "22 bench_sync bench.py default workload, synchronous loop"
+  "32 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
+  "8 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
+  "8 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
+  "8 batch1_draft bench.py batch-1, draft model = target (k=4)"
+  "6 quant_gemm quantized GEMM micro-benchmark"
+  "6 fp8_kv_decode decode kernel micro-benchmark, fp8 KV cache"
+  "9 quant_bf16 bench.py short workload, bf16 (the probe's reference)"
+  "9 quant_fp8 bench.py short workload, quantization=fp8 (online), probe vs bf16"
+  "9 quant_fp8_block bench.py short workload, FP8 block checkpoint, probe vs bf16"
+  "9 quant_awq bench.py short workload, AWQ checkpoint, probe vs bf16"
+  "9 quant_fp8_kv bench.py short workload, fp8 KV cache, probe vs bf16"
+  "10 multiturn bench_multiturn.py qwen3-0.6b, host tier off and on"
 )
 BOXES_S=0
 for entry in "${STEPS[@]}"; do BOXES_S=$((BOXES_S + ${entry%% *})); done
@@ -86,16 +92,67 @@ else  # (dumps every thread's traceback at the limit; the box still ends the ste
 fi
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4)
-BATCH1=(python3 bench.py --num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 256
-        --max-output-len 256 --repetitive --temperature 0 --json)
-QUANT=(python3 bench.py --num-seqs 64 --max-input-len 512 --max-output-len 128 --json)
+BATCH1=(--num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 256 --max-output-len 256 --repetitive
+        --temperature 0 --json)
+QUANT=(--num-seqs 64 --max-input-len 512 --max-output-len 128 --json)
+# The quantized runs' probes against the bf16 run's (bench.py --probe-check): bounds of the relative
+# error, about twice what qwen3-0.6b's shape gives on CPU in float32 with the GPU kernels' activation
+# quantization emulated, at the worst probe step: fp8 online 0.20, fp8 block 0.19, AWQ int4 0.38,
+# fp8 KV cache 0.076 (bf16's rounding adds to these on the GPU). A broken kernel: about sqrt(2)
+# (an output unrelated to the reference), or NaN.
+declare -A PROBE_BOUNDS=([fp8]=0.4 [fp8_block]=0.4 [awq]=0.8 [fp8_kv]=0.2)
+PROBE_REF=probe_bf16.json   # (under $OUT, set below)
 failed_tests=()        # real failures of the pytest steps (not time-outs), for rerun_failures
+# The warm-up runs these steps at once, each with WARM=1: bench and micro then append arguments
+# that make the run small but leave its engine and kernels as they are (argparse: the last wins).
+WARM_UP_STEPS=(decode_kernel count_kernels bench_sync bench_moe batch1_plain batch1_ngram batch1_draft quant_gemm
+               fp8_kv_decode quant_bf16 quant_fp8 quant_fp8_block quant_awq quant_fp8_kv multiturn)
+WARM=0
+WARM_BENCH=(--min-output-len 16 --max-output-len 16 --num-kvcache-blocks 48)  # (48: the 15 jobs fit in 139 GB beside the MoE)
 
+bench() {  # bench.py ARGS; with PROBE set, its probe too: PROBE=save writes the reference, PROBE=SCHEME checks
+  local args=("$@")
+  if ((WARM)); then
+    args+=("${WARM_BENCH[@]}")
+    [[ -n ${PROBE:-} ]] && args+=(--probe-save /dev/null)
+  elif [[ ${PROBE:-} == save ]]; then
+    args+=(--probe-save "$PROBE_REF")
+  elif [[ -n ${PROBE:-} ]]; then
+    args+=(--probe-check "$PROBE_REF" --probe-max-error "${PROBE_BOUNDS[$PROBE]}")
+  fi
+  python3 bench.py "${args[@]}"
+}
+micro() {  # micro SCRIPT ARGS: a kernel micro-benchmark
+  if ((WARM)); then python3 "$@" --iters 1; else python3 "$@"; fi
+}
+step_env() {  # what a step's own bash needs: the settings above and every function
+  declare -p PYTEST XDIST BATCH1 QUANT PROBE_BOUNDS PROBE_REF failed_tests WARM_UP_STEPS WARM WARM_BENCH OUT
+  declare -f
+}
 note_failures() {      # the FAILED/ERROR ids of the step's short summary, time-outs left out
   local id
   while read -r id; do
     ((${#failed_tests[@]} < MAX_RERUNS)) && failed_tests+=("$id")
   done < <(grep -E '^(FAILED|ERROR) tests/[^ ]+::' "$step_log" | grep -v ' - Failed: Timeout' | awk '{print $2}')
+}
+warm_up() {  # each of WARM_UP_STEPS in a box of its own (this one's, less 3 s), all at once
+  local dir=$OUT/warm_up budget=$((STEP_BOX_S - 3)) pids=() i rc status=0
+  mkdir -p "$dir"
+  for fn in "${WARM_UP_STEPS[@]}"; do
+    timeout -s TERM -k 2 "$budget" bash -c "$(step_env); WARM=1; $fn" >"$dir/$fn.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[i]}"
+    rc=$?
+    fn=${WARM_UP_STEPS[i]}
+    case $rc in
+      0 | 3) echo "warm-up $fn: done" ;;
+      124 | 137) echo "warm-up $fn: cut at $budget s (its step compiles the rest)"; ((status)) || status=124 ;;
+      *) echo "warm-up $fn: exit $rc; the end of $dir/$fn.log:"; tail -n 5 "$dir/$fn.log"; status=1 ;;
+    esac
+  done
+  return $status
 }
 gpu_tests() {
   # only the files that have gpu-marked tests: an optional package the image lacks (a collection
@@ -112,41 +169,43 @@ rerun_failures() {
   env CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" "${failed_tests[@]}"
 }
 decode_kernel() {
-  python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
+  micro scripts/bench_decode_attention.py --batch 256 --context 1024 --cuda-graph
   local rc=$?
-  python3 scripts/bench_decode_attention.py --batch 1 --context 4096 --queries 5 --vs-prefill-kernel --cuda-graph \
+  micro scripts/bench_decode_attention.py --batch 1 --context 4096 --queries 5 --vs-prefill-kernel --cuda-graph \
     --iters 20 || rc=1
   return $rc
 }
 count_kernels() { python3 scripts/count_kernels.py --ops --max-per-layer 15; }
-bench_hf() { python3 bench.py --compare hf --hf-time-limit 15 --json; }
-bench_sync() { python3 bench.py --no-async-scheduling --json; }
+bench_hf() { bench --compare hf --hf-time-limit 15 --json; }
+bench_sync() { bench --no-async-scheduling --json; }
 bench_moe() {
   if ! python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_properties(0).total_memory < 80e9)"; then
     echo "needs a GPU with 80 GB or more"; return 3
   fi
-  python3 bench.py --dummy qwen3-30b-a3b --num-seqs 64 --max-input-len 512 --max-output-len 128 --json
+  bench --dummy qwen3-30b-a3b --num-seqs 64 --max-input-len 512 --max-output-len 128 --json
 }
-batch1_plain() { "${BATCH1[@]}"; }
-batch1_ngram() { "${BATCH1[@]}" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'; }
+batch1_plain() { bench "${BATCH1[@]}"; }
+batch1_ngram() { bench "${BATCH1[@]}" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'; }
 batch1_draft() {
-  "${BATCH1[@]}" --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
+  bench "${BATCH1[@]}" --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
 }
-quant_gemm() { python3 scripts/bench_quant_gemm.py; }
-fp8_kv_decode() { python3 scripts/bench_decode_attention.py --batch 256 --context 1024 --kv-cache-dtype fp8; }
-quant_bf16() { "${QUANT[@]}"; }
-quant_fp8() { "${QUANT[@]}" --quantization fp8; }
-quant_fp8_block() { "${QUANT[@]}" --dummy qwen3-0.6b-fp8; }
-quant_awq() { "${QUANT[@]}" --dummy qwen3-0.6b-awq; }
-quant_fp8_kv() { "${QUANT[@]}" --kv-cache-dtype fp8; }
+quant_gemm() { micro scripts/bench_quant_gemm.py; }
+fp8_kv_decode() { micro scripts/bench_decode_attention.py --batch 256 --context 1024 --kv-cache-dtype fp8; }
+quant_bf16() { PROBE=save bench "${QUANT[@]}"; }
+quant_fp8() { PROBE=fp8 bench "${QUANT[@]}" --quantization fp8; }
+quant_fp8_block() { PROBE=fp8_block bench "${QUANT[@]}" --dummy qwen3-0.6b-fp8; }
+quant_awq() { PROBE=awq bench "${QUANT[@]}" --dummy qwen3-0.6b-awq; }
+quant_fp8_kv() { PROBE=fp8_kv bench "${QUANT[@]}" --kv-cache-dtype fp8; }
 multiturn() {
   python3 scripts/bench_multiturn.py --dummy qwen3-0.6b --device cuda --conversations 8 --turns 4 \
-    --system-len 1024 --question-len 128 --answer-len 32
+    --system-len 1024 --question-len 128 --answer-len 32 $( ((WARM)) && echo --conversations 2 --turns 2)
 }
 
 # ---- running them --------------------------------------------------------------------------------
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
+PROBE_REF=$OUT/$PROBE_REF
+rm -f "$PROBE_REF"     # (an earlier try's)
 exec 3>&1 4>&2         # the script's own stdout/stderr, restored at the end so that tee sees EOF
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 tee_pid=$!
@@ -168,8 +227,7 @@ run() {  # run BOX_S FUNCTION NAME: time-boxed, never stops the script
   echo "=== $name (box ${limit} s)"
   local start=$SECONDS rc
   # (the function in a bash of its own, so that the box's signals reach everything it started)
-  timeout -s INT -k "$KILL_AFTER_S" "$limit" bash -c "$(declare -p PYTEST XDIST BATCH1 QUANT failed_tests); \
-    $(declare -f "$fn"); $fn" 2>&1 | tee "$step_log"
+  STEP_BOX_S=$limit timeout -s INT -k "$KILL_AFTER_S" "$limit" bash -c "$(step_env); $fn" 2>&1 | tee "$step_log"
   rc=${PIPESTATUS[0]}
   local took=$((SECONDS - start)) verdict=PASS
   if ((rc == 124 || rc == 137)); then

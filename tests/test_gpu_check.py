@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh, run here without a GPU: its time boxes add up to at most 6 minutes, a
 step that fails does not stop the ones after it, every step ends with a verdict in the summary, and
 only the tests that really failed (not those that ran out of time) are run again."""
+import json
 import os
 import re
 import shutil
@@ -62,3 +63,49 @@ def test_only_real_failures_are_run_again(tmp_path):
     assert "test_passes" not in rerun
     verdicts = [line.split()[0] for line in out.stdout.split("=== summary")[1].splitlines()[1:3]]
     assert verdicts == ["FAIL", "FAIL"] and out.returncode == 1, out.stdout
+
+
+FAKE_SCRIPT = """import json, os, sys, time
+start = time.time()
+time.sleep(2)
+with open(os.path.join(os.environ["OUT"], "calls", f"{os.getpid()}.json"), "w") as f:
+    json.dump({"script": sys.argv[0], "args": sys.argv[1:], "start": start, "end": time.time()}, f)
+"""
+
+
+def test_warm_up_runs_the_steps_small_and_at_once_then_the_quantized_runs_check_their_probe(tmp_path):
+    """A copy of the script over a tree whose bench.py and scripts record how they were called: the
+    warm-up runs each of its steps' commands with the small-run arguments last, all at once, and
+    the quantized steps then save the probe (bf16) and check against it (AWQ, with its bound)."""
+    root = tmp_path / "tree"
+    (root / "scripts").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (tmp_path / "out" / "calls").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "scripts")
+    for name in ("bench.py", "scripts/bench_decode_attention.py", "scripts/count_kernels.py",
+                 "scripts/bench_quant_gemm.py", "scripts/bench_multiturn.py"):
+        (root / name).write_text(FAKE_SCRIPT)
+    out = gpu_check(str(root), tmp_path, steps="warm_up quant_bf16 quant_awq")
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = sorted((json.loads(p.read_text()) for p in (tmp_path / "out" / "calls").glob("*.json")),
+                   key=lambda c: c["start"])
+    warm, steps = calls[:-2], calls[-2:]
+    # decode_kernel 2 calls, count_kernels, bench_sync, 3 batch-1 runs, quant_gemm, fp8_kv_decode, 5
+    # quantized runs, multiturn (bench_moe: no GPU of 80 GB here)
+    assert len(warm) == 15 and "warm-up bench_moe: done" in out.stdout, out.stdout
+    for call in warm:
+        if call["script"] == "bench.py":
+            tail = ["--min-output-len", "16", "--max-output-len", "16", "--num-kvcache-blocks", "48"]
+            assert call["args"][-len(tail):] == tail or call["args"][-len(tail) - 2:-2] == tail, call
+        elif call["script"].endswith("bench_multiturn.py"):
+            assert call["args"][-4:] == ["--conversations", "2", "--turns", "2"], call
+        elif not call["script"].endswith("count_kernels.py"):
+            assert call["args"][-2:] == ["--iters", "1"], call
+    # (each fake takes 2 s: all at once, every job's first call overlaps every other's)
+    running = max(sum(c["start"] <= t < c["end"] for c in warm) for t in (c["start"] for c in warm))
+    assert running >= 14, [(c["script"], c["start"] - warm[0]["start"]) for c in warm]
+    reference = str(tmp_path / "out" / "probe_bf16.json")
+    assert steps[0]["args"][-2:] == ["--probe-save", reference], steps[0]
+    bound = re.search(r"\[awq\]=([\d.]+)", open(SCRIPT).read()).group(1)
+    assert steps[1]["args"][-4:] == ["--probe-check", reference, "--probe-max-error", bound], steps[1]
+    assert re.search(r"^PASS +\d+s +warm-up", out.stdout, re.M), out.stdout
