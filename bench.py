@@ -406,6 +406,8 @@ def parse_args(argv=None):
                    "FILE's (a quantized model against the unquantized one, same --dummy weights); exit 1 past "
                    "--probe-max-error")
     p.add_argument("--probe-max-error", type=float, default=0.1, help="the bound of --probe-check: relative L2 error")
+    p.add_argument("--min-acceptance-rate", type=float, help="with --speculative-config: exit 1 below it (a draft "
+                   "model equal to the target, greedy, has every draft accepted)")
     args = p.parse_args(argv)
     if args.model and args.dummy:
         p.error("--model and --dummy are exclusive")
@@ -468,10 +470,25 @@ def main(argv=None):
               f"{', '.join(f'{e:.4f} at {name}' for name, e in errors.items())}; bound {args.probe_max_error}: "
               f"{'PASS' if result['probe_ok'] else 'FAIL'}")
     result.pop("probe", None)
+    result["failed_checks"] = failed_checks(args, result)
+    for failure in result["failed_checks"]:
+        print(f"check failed: {failure}")
     if args.json:
         print(json.dumps(result))
     return result
 
 
+def failed_checks(args, result) -> list[str]:
+    """What the run's output contradicts (bench.py's exit status is 1 if anything)."""
+    failures = []
+    if result["output_tokens"] != result["requested_output_tokens"]:  # (ignore_eos: every request runs to max_tokens)
+        failures.append(f"{result['output_tokens']} output tokens, {result['requested_output_tokens']} asked for")
+    if not result.get("probe_ok", True):
+        failures.append(f"probe error {result['probe_error']} past {args.probe_max_error}")
+    if args.min_acceptance_rate is not None and result.get("spec_acceptance_rate", 0.0) < args.min_acceptance_rate:
+        failures.append(f"acceptance rate {result.get('spec_acceptance_rate')} below {args.min_acceptance_rate}")
+    return failures
+
+
 if __name__ == "__main__":
-    sys.exit(0 if main().get("probe_ok", True) else 1)
+    sys.exit(1 if main()["failed_checks"] else 0)

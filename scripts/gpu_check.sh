@@ -31,7 +31,9 @@
 #      against the bf16 run's, within its scheme's bound (PROBE_BOUNDS),
 #   8. the multi-turn benchmark of the prefix cache's host tier, off and on (fails if the tier
 #      saves no prefill).
-# bench.py sizes max_num_seqs to its workload (the CUDA-graph ladder it captures with it).
+# bench.py sizes max_num_seqs to its workload (the CUDA-graph ladder it captures with it), and exits
+# 1 if a request got other than its max_tokens (ignore_eos), a probe is past its bound, or (draft =
+# target, greedy) under 90% of the drafts were accepted (bf16: a near-tie may fall either way).
 # A step that reaches its box gets SIGINT (pytest then still prints its summary; python a
 # traceback), SIGKILL KILL_AFTER_S later. The exit status is 0 only if every step passed.
 # Runs from the source tree (no install, no network) with python3, the GPU image's interpreter.
@@ -187,7 +189,8 @@ bench_moe() {
 batch1_plain() { bench "${BATCH1[@]}"; }
 batch1_ngram() { bench "${BATCH1[@]}" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'; }
 batch1_draft() {
-  bench "${BATCH1[@]}" --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
+  bench "${BATCH1[@]}" --min-acceptance-rate 0.9 \
+    --speculative-config '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}'
 }
 quant_gemm() { micro scripts/bench_quant_gemm.py; }
 fp8_kv_decode() { micro scripts/bench_decode_attention.py --batch 256 --context 1024 --kv-cache-dtype fp8; }

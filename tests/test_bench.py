@@ -89,7 +89,8 @@ def test_speculative_run_with_a_dummy_draft_and_its_timeline(tmp_path, monkeypat
                          "--min-output-len", "64", "--max-output-len", "64", "--device", "cpu",
                          "--max-model-len", "128",
                          "--temperature", "0", "--speculative-config", json.dumps(config),
-                         "--timeline", str(tmp_path / "t.png")])
+                         "--timeline", str(tmp_path / "t.png"), "--min-acceptance-rate", "1.0"])
+    assert result["failed_checks"] == []
     # (k = 4: a mean acceptance length of 5, less where the last drafts stop short of max_tokens)
     assert result["spec_acceptance_rate"] == 1.0 and result["spec_mean_acceptance_length"] > 4.5
     assert result["target_forwards_per_output_token"] < 0.25
@@ -207,3 +208,13 @@ def test_probe_check_exits_1_past_its_bound(tmp_path):
     run = subprocess.run([sys.executable, "bench.py", "--dummy", "qwen3-tiny-awq", *PROBE_RUN, "--probe-check",
                           str(reference), "--probe-max-error", "0.01"], cwd=root, capture_output=True, text=True)
     assert run.returncode == 1 and "bound 0.01: FAIL" in run.stdout, run.stdout + run.stderr
+
+
+def test_failed_checks_name_what_the_output_contradicts():
+    args = bench.parse_args(["--dummy", "qwen3-tiny", "--min-acceptance-rate", "0.9", "--probe-max-error", "0.2"])
+    good = {"output_tokens": 100, "requested_output_tokens": 100, "spec_acceptance_rate": 0.95, "probe_ok": True}
+    assert bench.failed_checks(args, good) == []
+    assert bench.failed_checks(args, {**good, "output_tokens": 99}) == ["99 output tokens, 100 asked for"]
+    assert bench.failed_checks(args, {**good, "spec_acceptance_rate": 0.5}) == ["acceptance rate 0.5 below 0.9"]
+    assert bench.failed_checks(args, {**good, "probe_ok": False, "probe_error": {"16 rows": 0.3}}) == [
+        "probe error {'16 rows': 0.3} past 0.2"]
