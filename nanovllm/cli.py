@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the level of nanovllm's log (on stderr) and of uvicorn's")
     serve_parser.add_argument("--disable-log-requests", action="store_true",
                               help="no access-log line per HTTP request (uvicorn's access log)")
+    serve_parser.add_argument("--headless", action="store_true",
+                              help="one of the other nodes of a multi-node engine (--nnodes, --node-rank >= 1, "
+                                   "--master-addr, --master-port): run this node's ranks only, serve nothing")
     add_llm_arguments(serve_parser)
 
     chat_parser = commands.add_parser("chat", help="an interactive chat in the terminal",
@@ -74,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "serve" and args.headless:
+        from nanovllm.distributed.nodes import run_headless
+        from nanovllm.entrypoints.args import config_from_args
+        return run_headless(config_from_args(args))
     if args.command == "serve":
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise SystemExit(f"nanovllm serve: --max-queued-requests must be >= 1, got {args.max_queued_requests}")

@@ -34,6 +34,9 @@ class Config:
     device: "cuda" when available, else "cpu".  dtype: the config's dtype on CUDA (bf16 if it
         says float32), float32 on CPU; or "float32" / "bfloat16" / "float16" / a torch dtype.
     tensor_parallel_size: ranks to shard the model over.  enforce_eager: no CUDA graphs.
+    nnodes, node_rank, master_addr, master_port, node_timeout: tensor parallelism over nnodes machines
+        (distributed/nodes.py; node 0 runs the engine, the others `nanovllm serve MODEL --headless ...`):
+        node 0's address and a free port there (None: MASTER_ADDR / MASTER_PORT); seconds to wait for nodes.
     max_num_seqs: sequences per step.  max_num_batched_tokens: tokens per step (longer prompts
         are prefilled in chunks).  max_model_len: prompt + completion cap (at most the model's
         max_position_embeddings).  gpu_memory_utilization: share of GPU memory the engine may use.
@@ -61,6 +64,11 @@ class Config:
     device: str | None = None
     dtype: str | torch.dtype | None = None
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    node_timeout: float = 60.0
     enforce_eager: bool = False
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
@@ -99,6 +107,9 @@ class Config:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model folder {self.model!r} has no config.json")
         self._check_options()
+        if (self.nnodes, self.node_rank, self.master_addr, self.master_port) != (1, 0, None, None):
+            from nanovllm.distributed.nodes import check_options  # (multi-node's layer: loaded when asked for)
+            check_options(self)
         if self.speculative_config is not None:
             from nanovllm.features.speculative.config import SpeculativeConfig  # (a layer: loaded when asked for)
             self.speculative = SpeculativeConfig.parse(self.speculative_config)

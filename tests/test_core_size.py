@@ -14,8 +14,9 @@ import core_lines  # noqa: E402
 # What a plain dense-model generate on CPU loads, in lines. The redesign's target is 3,500 (issue
 # 30); this is the figure as it stands, so that growth is a decision, not a drift. (3,627, then 19
 # lines for the CUDA path's fused kernels, issue 31: the attention backend's `elementwise`, bound to
-# the RMSNorms, SiluAndMuls and the RotaryEmbedding by the model runner.)
-CORE_LINE_BUDGET = 3646
+# the RMSNorms, SiluAndMuls and the RotaryEmbedding by the model runner; then 11 for multi-node
+# tensor parallelism, issue 32: Config's five options, their docstring, the hook to distributed/.)
+CORE_LINE_BUDGET = 3657
 # Layers a plain dense-model generate must not load: every capability of features/ (speculation,
 # structured outputs, logits processors, the host tier, prompt logprobs, chat templates, bench's
 # recorder, sampled-token logprobs), MoE, quantization (its whole package: loaded when the checkpoint or caller asks), the
@@ -27,7 +28,8 @@ OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
                    "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
                    "nanovllm.utils.hub", "nanovllm.utils.dummy_weights", "nanovllm.engine.cuda_graphs",
-                   "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory", "nanovllm.layers.fused_triton")
+                   "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory", "nanovllm.layers.fused_triton",
+                   "nanovllm.distributed", "nanovllm.utils.processes")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

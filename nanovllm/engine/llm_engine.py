@@ -85,8 +85,8 @@ class LLMEngine:
             runner_class, scheduler_class = SpeculativeRunner, SpeculativeScheduler
         workers = None
         if config.tensor_parallel_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
-            from nanovllm.engine.workers import Workers  # (tensor parallelism's: loaded when asked for)
-            workers = Workers(config, runner_class)
+            from nanovllm.engine.workers import start_workers  # (tensor parallelism's: loaded when asked for)
+            workers = start_workers(config, runner_class)
         self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)

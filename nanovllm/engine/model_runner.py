@@ -165,7 +165,7 @@ class ModelRunner:
     def _load(self, config: Config):
         """The device, the model with its weights and attention backend, the sampler, the tables."""
         if config.device == "cuda":
-            self.device = torch.device("cuda", self.rank)
+            self.device = torch.device("cuda", self.group.local_rank if self.group is not None else 0)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")

@@ -17,20 +17,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from nanovllm.utils.processes import JOIN_TIMEOUT_S, died_starting, stop_processes
 from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
 
 STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
-JOIN_TIMEOUT_S = 10                     # a worker told to exit gets this long before it is killed
 
 
 def check_tensor_parallel(config: "Config"):
     """A ValueError unless every split the sharded layers make is exact (Config, when tensor_parallel_size > 1)."""
     tp, c = config.tensor_parallel_size, config.hf_config
-    if config.device == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
+    local = tp // config.nnodes  # (ranks on this node)
+    if config.device == "cuda" and local > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} over nnodes={config.nnodes} needs {local} GPUs on each node; "
+                         f"{torch.cuda.device_count()} are visible")
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     checks = [("num_attention_heads", c.num_attention_heads, c.num_attention_heads % tp == 0),
               ("num_key_value_heads", kv_heads, kv_heads % tp == 0 or tp % kv_heads == 0),
@@ -61,29 +63,12 @@ def _worker_main(config: "Config", runner_class: type, rank: int, store_port: in
     group.shutdown()
 
 
-def _stop(processes, conns):
-    """Ask every worker to exit, then make sure: terminate, kill, and reap (no zombies)."""
-    for conn in conns:
-        try:
-            conn.send_bytes(pickle.dumps(None))
-            conn.close()
-        except (OSError, ValueError):
-            pass
-    for p in processes:
-        p.join(JOIN_TIMEOUT_S)
-        if p.is_alive():
-            p.terminate()
-            p.join(JOIN_TIMEOUT_S)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def _died_starting(rank: int, p) -> RuntimeError:
-    return RuntimeError(
-        f"tensor-parallel worker rank {rank} exited during start-up (exit code {p.exitcode}); "
-        "see its error above. Scripts that use tensor_parallel_size > 1 must guard their "
-        "entry point with `if __name__ == '__main__':`, as spawned processes re-import it")
+def start_workers(config: "Config", runner_class: type):
+    """Ranks 1.. of the engine: spawned here (Workers), or over several nodes (distributed/nodes.py)."""
+    if config.nnodes > 1:
+        from nanovllm.distributed.nodes import NodeWorkers  # (multi-node's layer: loaded when asked for)
+        return NodeWorkers(config, runner_class)
+    return Workers(config, runner_class)
 
 
 class Workers:
@@ -103,7 +88,7 @@ class Workers:
             self.processes.append(p)
             self.conns.append(parent)
         # Runs at close(), at garbage collection of this object and at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns)
+        self._finalizer = weakref.finalize(self, stop_processes, self.processes, self.conns)
         try:
             self._wait_started()
             self.group = TPGroup(self.store, 0, size, config.device)
@@ -117,12 +102,12 @@ class Workers:
         for rank, (p, conn) in enumerate(zip(self.processes, self.conns), start=1):
             while not conn.poll(0.1):
                 if not p.is_alive():
-                    raise _died_starting(rank, p)
+                    raise died_starting(rank, p)
             try:
                 message = conn.recv()
             except (EOFError, OSError):  # its end of the pipe closed: it died (poll() saw the EOF first)
                 p.join(JOIN_TIMEOUT_S)
-                raise _died_starting(rank, p) from None
+                raise died_starting(rank, p) from None
             assert message == "started"
 
     def check_alive(self):

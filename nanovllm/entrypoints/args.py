@@ -36,3 +36,8 @@ def add_llm_arguments(parser: argparse.ArgumentParser):
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The engine the parsed flags describe (args.model and every LLM option)."""
     return LLM(args.model, **{name: getattr(args, name) for name, _, _ in llm_options()})
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The Config the parsed flags describe, without an engine (a headless node's)."""
+    return Config.from_options(args.model, {name: getattr(args, name) for name, _, _ in llm_options()})

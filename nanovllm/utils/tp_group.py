@@ -11,8 +11,10 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 class TPGroup:
-    def __init__(self, store: dist.Store, rank: int, size: int, device: str):
+    """rank: in the group; local_rank: on its node (its GPU's index; None: rank, one node)."""
+    def __init__(self, store: dist.Store, rank: int, size: int, device: str, local_rank: int | None = None):
         self.rank, self.size = rank, size
+        self.local_rank = rank if local_rank is None else local_rank
         if device == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = COLLECTIVE_TIMEOUT  # without it NCCL waits ~10 minutes for a dead peer

@@ -1,0 +1,10 @@
+"""Beyond one machine, on torch.distributed (gloo on CPU, NCCL for the model's collectives on GPU).
+
+  nodes.py   tensor parallelism over several nodes: node 0 runs the engine and its local ranks,
+             every other node (`nanovllm serve MODEL --headless ...`, or run_headless) its own
+             ranks; they meet at node 0's store (master_addr:master_port, or MASTER_ADDR /
+             MASTER_PORT as torchrun sets them) and take each step's call by broadcast.
+
+Entered through engine/workers.py's start_workers (nnodes > 1) and Config's check of the
+options; a single-node engine imports none of it.
+"""

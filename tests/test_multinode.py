@@ -1,0 +1,111 @@
+"""Tensor parallelism over two "nodes": node 0 is an LLM in this process, node 1 a separate process
+tree (`python -m nanovllm serve MODEL --headless ...`), both on this machine over loopback; and
+the launches that must fail fast, naming the option, with every process gone."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hf_reference import assert_greedy_matches_hf
+from nanovllm import LLM, SamplingParams
+from test_tensor_parallel import child_pids
+
+NODE_TIMEOUT = 5  # seconds: the failing launches below end within a few of these
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def headless(path, port, *extra, env=None, explicit=True):
+    """Node 1 of 2 (tensor_parallel_size 2: one rank each), the master given as flags or as torchrun's
+    environment variables."""
+    master = ["--master-addr", "127.0.0.1", "--master-port", str(port)] if explicit else []
+    return subprocess.Popen([sys.executable, "-m", "nanovllm", "serve", path, "--headless", "--device", "cpu",
+                             "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", *master,
+                             "--node-timeout", str(NODE_TIMEOUT), "--log-level", "warning", *extra],
+                            env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
+
+
+def node0(path, port, **options):
+    return LLM(path, device="cpu", tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+               master_port=port, node_timeout=NODE_TIMEOUT, **options)
+
+
+def test_tp2_over_two_nodes_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
+    port = free_port()
+    node1 = headless(model_dir, port, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, explicit=False)
+    shared = list(range(3, 203))
+    with node0(model_dir, port, max_model_len=400, max_num_batched_tokens=96, num_kvcache_blocks=30) as llm:
+        assert_greedy_matches_hf(llm, model_dir, prompts, reference,
+                                 SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        assert llm.stats()["num_preemptions"] > 0
+        assert_greedy_matches_hf(llm, model_dir, [shared + [1]], reference, GREEDY)
+        later = assert_greedy_matches_hf(llm, model_dir, [shared + [2], shared + [3]], reference, GREEDY)
+        assert all(o["num_cached_tokens"] > 0 for o in later)
+    assert node1.wait(timeout=60) == 0, node1.stderr.read()
+    assert child_pids() == [] and child_pids(node1.pid) == []
+
+
+def test_nodes_started_with_other_options_are_refused_on_both(model_dir, tied_model_dir):
+    for other, expected in [(["--tensor-parallel-size", "4"], "node 1 was started with tensor_parallel_size=4, "
+                                                                "node 0 tensor_parallel_size=2"),
+                            ([], "node 1 was started with a model whose config.json differs from node 0's")]:
+        port = free_port()
+        node1 = headless(tied_model_dir if not other else model_dir, port, *other)
+        start = time.monotonic()
+        with pytest.raises(ValueError) as error:
+            node0(model_dir, port)
+        assert expected in str(error.value)
+        assert node1.wait(timeout=30) == 2 and expected in node1.stderr.read()
+        assert time.monotonic() - start < 30 and child_pids() == []
+
+
+def test_a_node_that_does_not_come_is_named_with_its_command(model_dir):
+    port = free_port()
+    with pytest.raises(ValueError, match=r"node\(s\) \[1\] of nnodes=2 did not join within node_timeout=5 s; start "
+                                         rf"each with: nanovllm serve MODEL --headless .*--node-rank 1 .*{port}"):
+        node0(model_dir, port)
+    assert child_pids() == []
+
+
+def test_node_0_on_a_port_in_use(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"node 0 cannot listen on master_port={port} .*--master-port"):
+            node0(model_dir, port)
+
+
+def test_a_headless_node_without_node_0_ends_naming_the_master(model_dir):
+    start = time.monotonic()
+    node1 = headless(model_dir, free_port())
+    assert node1.wait(timeout=60) == 2
+    assert "could not reach node 0 at master_addr=127.0.0.1" in node1.stderr.read()
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(nnodes=2, tensor_parallel_size=2), r"nnodes=2 needs master_addr .*MASTER_ADDR"),
+    (dict(nnodes=2, tensor_parallel_size=2, master_addr="127.0.0.1"), r"nnodes=2 needs master_port"),
+    (dict(nnodes=2, tensor_parallel_size=3, master_addr="a", master_port=1), r"tensor_parallel_size=3 cannot be "
+                                                                              r"split over nnodes=2"),
+    (dict(nnodes=2, node_rank=2, tensor_parallel_size=2), r"node_rank must be in \[0, nnodes=2\), got 2"),
+    (dict(nnodes=0), r"nnodes must be >= 1, got 0"),
+    (dict(master_port=29500), r"master_addr and master_port are for nnodes > 1, got .*master_port=29500"),
+    (dict(nnodes=2, tensor_parallel_size=2, master_addr="a", master_port=1, node_timeout=0), r"node_timeout must"),
+    (dict(nnodes=2, node_rank=1, tensor_parallel_size=2, master_addr="a", master_port=1),
+     r"an engine .* runs on node 0; node_rank=1 runs ranks only: nanovllm serve MODEL --headless"),
+])
+def test_multinode_options_are_checked(model_dir, monkeypatch, options, message):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, device="cpu", **options)
