@@ -17,7 +17,7 @@ must not depend on which program finishes first. The plan depends on shapes and 
 (never data), so a capture and an eager call of the same shape tile and split alike.
 """
 import functools
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,7 +51,10 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-def plan(num_tokens: int, n: int, k: int, tile_options: Sequence[Tiles], num_sms: int) -> tuple[Tiles, int]:
+# Cached: every eager GEMM call plans (Qwen3-0.6B: 112 a step), at 6-23 us a plan uncached on this
+# CPU (1-2.6 ms a step; CUDA-graph replays plan nothing). The key holds the options themselves.
+@functools.lru_cache(maxsize=4096)
+def plan(num_tokens: int, n: int, k: int, tile_options: tuple[Tiles, ...], num_sms: int) -> tuple[Tiles, int]:
     """(tiles, split count) for a [T, K] x [K, N] GEMM: the first of tile_options (widest first)
     whose programs, with split_k_for's K splits, give PROGRAMS_PER_SM per SM; the last (narrowest)
     with its splits if none does. Pure: shapes and the SM count only."""
