@@ -109,3 +109,21 @@ def test_multinode_options_are_checked(model_dir, monkeypatch, options, message)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(ValueError, match=message):
         LLM(model_dir, device="cpu", **options)
+
+
+def test_a_node_that_dies_mid_run_ends_the_engine_and_every_process(model_dir):
+    """Node 1's rank killed between steps: node 0's next step fails at once (its collective's peer
+    is gone) with an error, not a hang; then shutdown and node 1's process end cleanly."""
+    port = free_port()
+    node1 = headless(model_dir, port)
+    llm = node0(model_dir, port, max_model_len=256)
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    [rank1] = child_pids(node1.pid)
+    os.kill(rank1, 9)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer|[Bb]roken pipe"):  # (gloo's words for a dead peer)
+        llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30
+    llm.shutdown()
+    assert node1.wait(timeout=30) == 1
+    assert child_pids() == [] and child_pids(node1.pid) == []
