@@ -110,7 +110,11 @@ failed_tests=()        # real failures of the pytest steps (not time-outs), for 
 WARM_UP_STEPS=(decode_kernel count_kernels bench_sync bench_moe batch1_plain batch1_ngram batch1_draft quant_gemm
                fp8_kv_decode quant_bf16 quant_fp8 quant_fp8_block quant_awq quant_fp8_kv multiturn)
 WARM=0
-WARM_BENCH=(--min-output-len 16 --max-output-len 16 --num-kvcache-blocks 48)  # (48: the 15 jobs fit in 139 GB beside the MoE)
+# (a KV cache of two max_model_len=4096 sequences: 512 blocks of 16 tokens, under 1 GB for Qwen3-0.6B, or
+# flash-attn's 32 of 256; the 15 jobs fit in 139 GB beside the MoE's 61 GB of weights)
+WARM_BLOCKS=512
+python3 -c "import flash_attn" 2>/dev/null && WARM_BLOCKS=32
+WARM_BENCH=(--min-output-len 16 --max-output-len 16 --num-kvcache-blocks "$WARM_BLOCKS")
 
 bench() {  # bench.py ARGS; with PROBE set, its probe too: PROBE=save writes the reference, PROBE=SCHEME checks
   local args=("$@")

@@ -95,7 +95,7 @@ def test_warm_up_runs_the_steps_small_and_at_once_then_the_quantized_runs_check_
     assert len(warm) == 15 and "warm-up bench_moe: done" in out.stdout, out.stdout
     for call in warm:
         if call["script"] == "bench.py":
-            tail = ["--min-output-len", "16", "--max-output-len", "16", "--num-kvcache-blocks", "48"]
+            tail = ["--min-output-len", "16", "--max-output-len", "16", "--num-kvcache-blocks", "512"]
             assert call["args"][-len(tail):] == tail or call["args"][-len(tail) - 2:-2] == tail, call
         elif call["script"].endswith("bench_multiturn.py"):
             assert call["args"][-4:] == ["--conversations", "2", "--turns", "2"], call
