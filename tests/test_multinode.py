@@ -127,3 +127,41 @@ def test_a_node_that_dies_mid_run_ends_the_engine_and_every_process(model_dir):
     llm.shutdown()
     assert node1.wait(timeout=30) == 1
     assert child_pids() == [] and child_pids(node1.pid) == []
+
+
+TORCHRUN_SCRIPT = """import os, sys
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.distributed.nodes import run_headless
+if __name__ == "__main__":
+    path, prompts = sys.argv[1], [[1, 2, 3], list(range(4, 40))]
+    if os.environ["RANK"] == "0":
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        with LLM(path, device="cpu", tensor_parallel_size=2, nnodes=2) as llm:
+            two_nodes = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        one = [o["token_ids"] for o in LLM(path, device="cpu").generate(prompts, params, use_tqdm=False)]
+        print("same tokens" if two_nodes == one else f"differ: {two_nodes} {one}")
+    else:
+        sys.exit(run_headless(Config(path, device="cpu", tensor_parallel_size=2, nnodes=2)))
+"""
+
+
+def test_torchrun_one_process_a_node(model_dir, tmp_path):
+    """Under torchrun (--nproc-per-node 1: each process a node), node_rank is its RANK, the master
+    its MASTER_ADDR / MASTER_PORT, and the store its agent's: only nnodes is passed."""
+    script = tmp_path / "two_nodes.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2", str(script),
+                          model_dir], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and "same tokens" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+def test_under_torchrun_nnodes_must_be_its_world_size(model_dir, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=r"under torchrun, nnodes must be its WORLD_SIZE=2 .*got nnodes=4"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=4, nnodes=4, master_addr="a", master_port=1)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"under torchrun, node_rank is its RANK=0, got node_rank=1"):
+        LLM(model_dir, device="cpu", tensor_parallel_size=4, nnodes=2, node_rank=1, master_addr="a", master_port=1)

@@ -60,6 +60,14 @@ def check_options(config: "Config"):
     if config.tensor_parallel_size % config.nnodes:
         raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} cannot be split over nnodes="
                          f"{config.nnodes}: each node runs tensor_parallel_size / nnodes ranks")
+    if launched_by_torchrun():  # (one process a node: torchrun --nproc-per-node 1; its RANK is the node's)
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if config.nnodes != world:
+            raise ValueError(f"under torchrun, nnodes must be its WORLD_SIZE={world} (one process a node: "
+                             f"--nproc-per-node 1), got nnodes={config.nnodes}")
+        if config.node_rank not in (0, rank):
+            raise ValueError(f"under torchrun, node_rank is its RANK={rank}, got node_rank={config.node_rank}")
+        config.node_rank = rank
     if config.master_addr is None:
         config.master_addr = os.environ.get("MASTER_ADDR")
     if config.master_port is None and os.environ.get("MASTER_PORT"):
@@ -74,6 +82,10 @@ def check_options(config: "Config"):
     if isinstance(config.node_timeout, bool) or not isinstance(config.node_timeout, (int, float)) \
             or not config.node_timeout > 0:
         raise ValueError(f"node_timeout must be a positive number of seconds, got {config.node_timeout!r}")
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def node_view(config: "Config") -> dict:
@@ -94,7 +106,10 @@ def local_ranks(config: "Config", node_rank: int) -> range:
 
 
 def open_store(config: "Config", is_master: bool) -> dist.TCPStore:
+    """Node 0's store (is_master), or a connection to it; under torchrun its agent's store, which
+    already listens at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE)."""
     timeout = timedelta(seconds=config.node_timeout)
+    is_master = is_master and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         return dist.TCPStore(config.master_addr, config.master_port, is_master=is_master, wait_for_workers=False,
                              timeout=timeout)
