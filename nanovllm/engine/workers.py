@@ -1,6 +1,7 @@
 """Tensor-parallel ranks 1..N-1: spawned processes that replay rank 0's calls step by step.
 
-The engine (rank 0's process) creates a `Workers` and hands it to its ModelRunner. It creates
+The engine (rank 0's process) creates a `Workers` (start_workers; over several nodes,
+distributed/nodes.py's NodeWorkers instead) and hands it to its ModelRunner. It creates
 the engine's own rendezvous store on a free port, spawns one process per extra rank and sends
 each a pickled `(method, args)` per call over a pipe. The workers run the same ModelRunner method, so the collectives inside the model
 (all-reduce, gather) line up. Workers ignore Ctrl-C (rank 0 decides), and exit when told to,
