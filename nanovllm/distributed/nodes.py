@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.utils.processes import died_starting, stop_processes
+from nanovllm.utils.processes import check_alive, died_starting, stop_processes
 from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
@@ -178,11 +178,8 @@ class NodeWorkers:
                     self.store.set("verdict", message)
                     raise ValueError(message)
 
-    def check_alive(self):
-        for rank, p in enumerate(self.processes, start=1):
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) has died with exit code {p.exitcode}; "
-                                   f"this LLM cannot continue: shut it down and create a new one")
+    def check_alive(self):  # (this node's ranks: another node's death fails the step's collectives)
+        check_alive(self.processes)
 
     def call(self, method, *args) -> int:
         """Every other rank, on every node, runs it (workers.Workers.call's contract)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nanovllm.utils.processes import JOIN_TIMEOUT_S, died_starting, stop_processes
+from nanovllm.utils.processes import JOIN_TIMEOUT_S, check_alive, died_starting, stop_processes
 from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
@@ -112,10 +112,7 @@ class Workers:
             assert message == "started"
 
     def check_alive(self):
-        for rank, p in enumerate(self.processes, start=1):
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) has died with exit code "
-                                   f"{p.exitcode}; this LLM cannot continue: shut it down and create a new one")
+        check_alive(self.processes)
 
     def call(self, method, *args) -> int:
         """Have every worker run `ModelRunner.<method>(*args)` (method: its name), or `method(runner,

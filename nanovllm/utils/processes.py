@@ -1,5 +1,5 @@
-"""Spawned ranks' processes (engine/workers.py's, distributed/nodes.py's): stopping them for sure,
-and the error for one that died starting."""
+"""Spawned ranks' processes (engine/workers.py's, distributed/nodes.py's, ranks 1.. in order):
+stopping them for sure, and the errors for one that died."""
 import pickle
 
 JOIN_TIMEOUT_S = 10  # a rank told to exit gets this long before it is killed
@@ -28,3 +28,11 @@ def died_starting(rank: int, p) -> RuntimeError:
         f"tensor-parallel worker rank {rank} exited during start-up (exit code {p.exitcode}); "
         "see its error above. Scripts that use tensor_parallel_size > 1 must guard their "
         "entry point with `if __name__ == '__main__':`, as spawned processes re-import it")
+
+
+def check_alive(processes):
+    """A RuntimeError naming the first of the ranks 1.. in `processes` that has died."""
+    for rank, p in enumerate(processes, start=1):
+        if not p.is_alive():
+            raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {p.pid}) has died with exit code "
+                               f"{p.exitcode}; this LLM cannot continue: shut it down and create a new one")
