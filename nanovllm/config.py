@@ -34,6 +34,8 @@ class Config:
     device: "cuda" when available, else "cpu".  dtype: the config's dtype on CUDA (bf16 if it
         says float32), float32 on CPU; or "float32" / "bfloat16" / "float16" / a torch dtype.
     tensor_parallel_size: ranks to shard the model over.  enforce_eager: no CUDA graphs.
+    pipeline_parallel_size: stages to split the decoder layers over, each of tensor_parallel_size
+        ranks (distributed/pipeline.py).
     nnodes, node_rank, master_addr, master_port, node_timeout: tensor parallelism over nnodes machines
         (distributed/nodes.py; node 0 runs the engine, the others `nanovllm serve MODEL --headless ...`):
         node 0's address and a free port there (None: MASTER_ADDR / MASTER_PORT); seconds to wait for nodes.
@@ -64,6 +66,7 @@ class Config:
     device: str | None = None
     dtype: str | torch.dtype | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
@@ -132,6 +135,9 @@ class Config:
         if self.tensor_parallel_size > 1:
             from nanovllm.engine.workers import check_tensor_parallel  # (tensor parallelism's: loaded when asked for)
             check_tensor_parallel(self)
+        if self.pipeline_parallel_size > 1:
+            from nanovllm.distributed.stages import check_options  # (pipeline parallelism's: loaded when asked for)
+            check_options(self)
 
     def _positive_int(self, name: str, allow_none: bool = False):
         value = getattr(self, name)
@@ -144,7 +150,8 @@ class Config:
 
     def _check_options(self):
         """The options' types and ranges (those checked against the model come later)."""
-        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len"):
             self._positive_int(name)
         self._positive_int("kvcache_block_size", allow_none=True)
         self._positive_int("num_kvcache_blocks", allow_none=True)
@@ -197,6 +204,11 @@ class Config:
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {list(DTYPES)} or a torch dtype, got {dtype!r}")
         return dtype
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def block_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Tensor parallelism over two "nodes": node 0 is an LLM in this process, node 1 a separate process
+"""Tensor (and pipeline) parallelism over two "nodes": node 0 is an LLM in this process, node 1 a separate process
 tree (`python -m nanovllm serve MODEL --headless ...`), both on this machine over loopback; and
 the launches that must fail fast, naming the option, with every process gone."""
 import os
@@ -53,9 +53,26 @@ def test_tp2_over_two_nodes_matches_hf_with_caching_chunking_and_preemption(mode
     assert child_pids() == [] and child_pids(node1.pid) == []
 
 
+def test_pp2_over_two_nodes_one_stage_each_matches_hf(model_dir, prompts, reference):
+    """Pipeline parallelism across nodes: stage 0 on node 0, stage 1 on node 1, the hidden states
+    between them over the network (loopback here)."""
+    port = free_port()
+    node1 = headless(model_dir, port, "--tensor-parallel-size", "1", "--pipeline-parallel-size", "2")
+    with LLM(model_dir, device="cpu", pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+             master_port=port, node_timeout=NODE_TIMEOUT, max_model_len=400, max_num_batched_tokens=96,
+             num_kvcache_blocks=30) as llm:
+        assert_greedy_matches_hf(llm, model_dir, prompts, reference,
+                                 SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        assert llm.stats()["num_preemptions"] > 0
+    assert node1.wait(timeout=60) == 0, node1.stderr.read()
+    assert child_pids() == [] and child_pids(node1.pid) == []
+
+
 def test_nodes_started_with_other_options_are_refused_on_both(model_dir, tied_model_dir):
     for other, expected in [(["--tensor-parallel-size", "4"], "node 1 was started with tensor_parallel_size=4, "
                                                                 "node 0 tensor_parallel_size=2"),
+                            (["--pipeline-parallel-size", "2"], "node 1 was started with pipeline_parallel_size=2, "
+                                                                "node 0 pipeline_parallel_size=1"),
                             ([], "node 1 was started with a model whose config.json differs from node 0's")]:
         port = free_port()
         node1 = headless(tied_model_dir if not other else model_dir, port, *other)
@@ -95,8 +112,8 @@ def test_a_headless_node_without_node_0_ends_naming_the_master(model_dir):
 @pytest.mark.parametrize("options, message", [
     (dict(nnodes=2, tensor_parallel_size=2), r"nnodes=2 needs master_addr .*MASTER_ADDR"),
     (dict(nnodes=2, tensor_parallel_size=2, master_addr="127.0.0.1"), r"nnodes=2 needs master_port"),
-    (dict(nnodes=2, tensor_parallel_size=3, master_addr="a", master_port=1), r"tensor_parallel_size=3 cannot be "
-                                                                              r"split over nnodes=2"),
+    (dict(nnodes=2, tensor_parallel_size=3, master_addr="a", master_port=1),
+     r"tensor_parallel_size=3 x pipeline_parallel_size=1 ranks cannot be split over nnodes=2"),
     (dict(nnodes=2, node_rank=2, tensor_parallel_size=2), r"node_rank must be in \[0, nnodes=2\), got 2"),
     (dict(nnodes=0), r"nnodes must be >= 1, got 0"),
     (dict(master_port=29500), r"master_addr and master_port are for nnodes > 1, got .*master_port=29500"),

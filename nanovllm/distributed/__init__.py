@@ -1,10 +1,14 @@
 """Beyond one machine, on torch.distributed (gloo on CPU, NCCL for the model's collectives on GPU).
 
-  nodes.py   tensor parallelism over several nodes: node 0 runs the engine and its local ranks,
-             every other node (`nanovllm serve MODEL --headless ...`, or run_headless) its own
-             ranks; they meet at node 0's store (master_addr:master_port, or MASTER_ADDR /
-             MASTER_PORT as torchrun sets them) and take each step's call by broadcast.
+  nodes.py      tensor parallelism over several nodes: node 0 runs the engine and its local ranks,
+                every other node (`nanovllm serve MODEL --headless ...`, or run_headless) its own
+                ranks; they meet at node 0's store (master_addr:master_port, or MASTER_ADDR /
+                MASTER_PORT as torchrun sets them) and take each step's call by broadcast.
+  pipeline.py   pipeline parallelism: PipelineRunner runs one stage's layers, micro-batch by
+                micro-batch, hidden states passed point to point; stages.py: its groups, layer
+                split, micro-batches and clock (and Config's checks of it).
 
-Entered through engine/workers.py's start_workers (nnodes > 1) and Config's check of the
-options; a single-node engine imports none of it.
+Entered through engine/workers.py's start_workers (nnodes > 1) and make_group (stages.py), the
+engine's choice of runner (pipeline_parallel_size > 1) and Config's checks of the options; a
+single-GPU engine imports none of it.
 """

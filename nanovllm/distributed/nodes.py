@@ -1,7 +1,8 @@
-"""Tensor parallelism over several nodes (nnodes > 1).
+"""Tensor and pipeline parallelism over several nodes (nnodes > 1).
 
-tensor_parallel_size ranks, tensor_parallel_size / nnodes on each node: node k holds ranks
-k * local .. (k + 1) * local - 1. Node 0 runs the engine (rank 0) and spawns its other local ranks;
+world_size = tensor_parallel_size x pipeline_parallel_size ranks, world_size / nnodes on each
+node: node k holds ranks k * local .. (k + 1) * local - 1 (with pipeline stages of tp ranks and tp
+dividing local, whole stages: TP within a node, PP across nodes). Node 0 runs the engine (rank 0) and spawns its other local ranks;
 every other node runs `nanovllm serve MODEL --headless` (run_headless), which spawns its own ranks
 and serves nothing. Start-up, all through node 0's TCPStore at master_addr:master_port:
 
@@ -10,7 +11,7 @@ and serves nothing. Start-up, all through node 0's TCPStore at master_addr:maste
   2. node 0 compares the views with its own and publishes its verdict, and with an "ok" the
      engine's Config and runner class: the other nodes' ranks run with node 0's options (their
      own flags give only the model folder, whose config.json must be node 0's, and the master);
-  3. every rank joins the model's group (TPGroup: NCCL on GPU, gloo on CPU) and a gloo control
+  3. every rank joins the model's group (engine/workers.make_group: NCCL on GPU, gloo on CPU) and a gloo control
      group, over which rank 0 broadcasts each call (`NodeWorkers.call`) that workers on one node
      take from a pipe (engine/workers.py).
 
@@ -30,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from nanovllm.distributed.stages import make_group
 from nanovllm.utils.processes import check_alive, died_starting, stop_processes
-from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 # (rank 0's death closes its connections, which ends every wait at once).
 CONTROL_TIMEOUT = timedelta(days=365)
 # The options every node must be started with (the others come from node 0): node_view's keys.
-AGREED = ("nnodes", "tensor_parallel_size", "model_config")
+AGREED = ("nnodes", "tensor_parallel_size", "pipeline_parallel_size", "model_config")
 
 
 def check_options(config: "Config"):
@@ -57,9 +58,10 @@ def check_options(config: "Config"):
     if config.nnodes == 1:
         raise ValueError(f"master_addr and master_port are for nnodes > 1, got master_addr={config.master_addr!r}, "
                          f"master_port={config.master_port!r} with nnodes=1")
-    if config.tensor_parallel_size % config.nnodes:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} cannot be split over nnodes="
-                         f"{config.nnodes}: each node runs tensor_parallel_size / nnodes ranks")
+    if config.world_size % config.nnodes:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
+                         f"{config.pipeline_parallel_size} ranks cannot be split over nnodes={config.nnodes}: each "
+                         f"node runs tensor_parallel_size x pipeline_parallel_size / nnodes ranks")
     if launched_by_torchrun():  # (one process a node: torchrun --nproc-per-node 1; its RANK is the node's)
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if config.nnodes != world:
@@ -91,17 +93,18 @@ def launched_by_torchrun() -> bool:
 def node_view(config: "Config") -> dict:
     """What a node was started with, of the options all must agree on (AGREED)."""
     model = hashlib.sha256(config.hf_config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
-    return {"nnodes": config.nnodes, "tensor_parallel_size": config.tensor_parallel_size, "model_config": model}
+    return {"nnodes": config.nnodes, "tensor_parallel_size": config.tensor_parallel_size,
+            "pipeline_parallel_size": config.pipeline_parallel_size, "model_config": model}
 
 
 def headless_command(config: "Config", node_rank: int) -> str:
-    return (f"nanovllm serve MODEL --headless --tensor-parallel-size {config.tensor_parallel_size} --nnodes "
-            f"{config.nnodes} --node-rank {node_rank} --master-addr {config.master_addr} --master-port "
+    return (f"nanovllm serve MODEL --headless --tensor-parallel-size {config.tensor_parallel_size} "
+            f"--pipeline-parallel-size {config.pipeline_parallel_size} --nnodes {config.nnodes} --node-rank {node_rank} --master-addr {config.master_addr} --master-port "
             f"{config.master_port}")
 
 
 def local_ranks(config: "Config", node_rank: int) -> range:
-    local = config.tensor_parallel_size // config.nnodes
+    local = config.world_size // config.nnodes
     return range(node_rank * local, (node_rank + 1) * local)
 
 
@@ -132,7 +135,7 @@ class NodeWorkers:
             raise ValueError(f"an engine (LLM, or nanovllm serve without --headless) runs on node 0; node_rank="
                              f"{config.node_rank} runs ranks only: {headless_command(config, config.node_rank)} "
                              f"(or nanovllm.distributed.nodes.run_headless)")
-        size = config.tensor_parallel_size
+        size = config.world_size
         self.processes = []
         self.store = open_store(config, is_master=True)
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, [])
@@ -146,7 +149,7 @@ class NodeWorkers:
                                     name=f"nanovllm-tp-rank{rank}")
                 p.start()
                 self.processes.append(p)
-            self.group = TPGroup(dist.PrefixStore("tp", self.store), 0, size, config.device)
+            self.group = make_group(dist.PrefixStore("tp", self.store), 0, config)
             self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), 0, size, CONTROL_TIMEOUT)
         except BaseException as e:
             if not self.store.check(["verdict"]):
@@ -206,9 +209,8 @@ def rank_main(config: "Config", runner_class: type, rank: int):
     """One rank other than 0, on any node: its runner replays each call rank 0 broadcasts."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (rank 0 decides)
     store = open_store(config, is_master=False)
-    size = config.tensor_parallel_size
-    group = TPGroup(dist.PrefixStore("tp", store), rank, size, config.device,
-                    local_rank=rank % (size // config.nnodes))
+    size = config.world_size
+    group = make_group(dist.PrefixStore("tp", store), rank, config, local_rank=rank % (size // config.nnodes))
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, CONTROL_TIMEOUT)
     runner = runner_class(config, group)
     while (message := receive(control)) is not None:

@@ -63,7 +63,7 @@ def warmup(runner):
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
     with forward_context(context):
-        logits = runner.model.compute_logits(runner.model(input_ids, positions))
+        logits = runner.warmup_logits(input_ids, positions)
     if logits is None:  # ranks above 0: the LM head gathered the logits to rank 0, which samples
         return
     ones = torch.ones(rows, device=device)

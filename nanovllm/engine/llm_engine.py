@@ -83,8 +83,11 @@ class LLMEngine:
             from nanovllm.features.speculative.runner import SpeculativeRunner  # (a layer: loaded when asked for)
             from nanovllm.features.speculative.scheduling import SpeculativeScheduler
             runner_class, scheduler_class = SpeculativeRunner, SpeculativeScheduler
+        if config.pipeline_parallel_size > 1:  # a runner that runs its stage's layers
+            from nanovllm.distributed.pipeline import PipelineRunner  # (a layer: loaded when asked for)
+            runner_class = PipelineRunner
         workers = None
-        if config.tensor_parallel_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
+        if config.world_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
             from nanovllm.engine.workers import start_workers  # (tensor parallelism's: loaded when asked for)
             workers = start_workers(config, runner_class)
         self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
@@ -106,12 +109,13 @@ class LLMEngine:
     def _log_summary(self):
         """The start-up summary, what a deployment is sized by (logged once: the engine is rank 0's)."""
         c, runner, num_blocks = self.config, self.model_runner, self.block_manager.num_blocks
-        per_rank = " per rank" if c.tensor_parallel_size > 1 else ""
+        per_rank = " per rank (rank 0's)" if c.world_size > 1 else ""
         num_tokens = num_blocks * c.block_size
         graphs = runner.graphs
-        logger.info("Model %s: %s, dtype %s, device %s, attention backend %s, tensor_parallel_size %d",
-                    c.model, type(runner.model).__name__, str(c.dtype).removeprefix("torch."), c.device,
-                    c.attention_backend, c.tensor_parallel_size)
+        logger.info("Model %s: %s, dtype %s, device %s, attention backend %s, tensor_parallel_size %d, "
+                    "pipeline_parallel_size %d", c.model, type(runner.model).__name__,
+                    str(c.dtype).removeprefix("torch."), c.device, c.attention_backend, c.tensor_parallel_size,
+                    c.pipeline_parallel_size)
         logger.info("Weights: %s%s. KV cache: %d blocks x %d tokens = %d tokens, %s%s, %s",
                     format_bytes(sum(p.nbytes for p in runner.model.parameters())), per_rank, num_blocks,
                     c.block_size, num_tokens, format_bytes(runner.kv_cache.nbytes), per_rank,

@@ -169,10 +169,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        model_class = resolve_model_class(config.hf_config, config.max_model_len)
-        with default_dtype_and_device(config.dtype, self.device), tensor_parallel(self.group), \
-                quantization_scope(config.quant_config):
-            self.model = model_class(config.hf_config, config.max_model_len)
+        self.model = self._build_model(resolve_model_class(config.hf_config, config.max_model_len))
         start = perf_counter()
         if config.load_format == "dummy":
             from nanovllm.utils.dummy_weights import load_dummy  # (benchmarks': loaded when asked for)
@@ -199,6 +196,14 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch"
         # The CUDA-graph ladder, eager steps included: they record the size they pad to (Context.padded_batch).
         self.graph_sizes = graph_batch_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH))
+
+    def _build_model(self, model_class: type):
+        """This rank's model, its weights not loaded: the shard of its tensor-parallel rank."""
+        config = self.config
+        tp = self.group.tp if self.group is not None else None
+        with default_dtype_and_device(config.dtype, self.device), tensor_parallel(tp), \
+                quantization_scope(config.quant_config):
+            return model_class(config.hf_config, config.max_model_len)
 
     def _capture(self, config: Config):
         """The decode steps' CUDA graphs, once the KV cache is bound."""
@@ -227,6 +232,10 @@ class ModelRunner:
             return min(CPU_KV_CACHE_BYTES // self.kv_block_bytes(), most_useful)
         from nanovllm.engine.gpu_memory import num_gpu_kv_blocks  # (CUDA's: loaded where memory is measured)
         return min(num_gpu_kv_blocks(self), most_useful)
+
+    def warmup_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """(gpu_memory.warmup) The model's forward and logits on this rank's share: the peak of a step."""
+        return self.model.compute_logits(self.model(input_ids, positions))
 
     def probe_graphs(self) -> list["DecodeGraphs"]:
         """The largest graph of each ladder the runner will capture (gpu_memory.py measures them)."""

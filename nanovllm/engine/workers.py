@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks 1..N-1: spawned processes that replay rank 0's calls step by step.
+"""Ranks 1..N-1 (tensor_parallel_size x pipeline_parallel_size in all): spawned processes that replay rank 0's calls step by step.
 
 The engine (rank 0's process) creates a `Workers` (start_workers; over several nodes,
 distributed/nodes.py's NodeWorkers instead) and hands it to its ModelRunner. It creates
@@ -15,11 +15,10 @@ import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
+from nanovllm.distributed.stages import check_gpus, make_group
 from nanovllm.utils.processes import JOIN_TIMEOUT_S, check_alive, died_starting, stop_processes
-from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
@@ -30,10 +29,7 @@ STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker t
 def check_tensor_parallel(config: "Config"):
     """A ValueError unless every split the sharded layers make is exact (Config, when tensor_parallel_size > 1)."""
     tp, c = config.tensor_parallel_size, config.hf_config
-    local = tp // config.nnodes  # (ranks on this node)
-    if config.device == "cuda" and local > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={tp} over nnodes={config.nnodes} needs {local} GPUs on each node; "
-                         f"{torch.cuda.device_count()} are visible")
+    check_gpus(config)
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     checks = [("num_attention_heads", c.num_attention_heads, c.num_attention_heads % tp == 0),
               ("num_key_value_heads", kv_heads, kv_heads % tp == 0 or tp % kv_heads == 0),
@@ -47,10 +43,9 @@ def check_tensor_parallel(config: "Config"):
 
 def _worker_main(config: "Config", runner_class: type, rank: int, store_port: int, conn):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    store = dist.TCPStore("127.0.0.1", store_port, config.tensor_parallel_size, is_master=False,
-                          timeout=STORE_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", store_port, config.world_size, is_master=False, timeout=STORE_TIMEOUT)
     conn.send("started")
-    group = TPGroup(store, rank, config.tensor_parallel_size, config.device)
+    group = make_group(store, rank, config)
     runner = runner_class(config, group)
     while True:
         try:
@@ -74,7 +69,7 @@ def start_workers(config: "Config", runner_class: type):
 
 class Workers:
     def __init__(self, config: "Config", runner_class: type):
-        size = config.tensor_parallel_size
+        size = config.world_size
         # Port 0: the OS picks a free port; each engine has its own store, so engines never collide.
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=STORE_TIMEOUT)
@@ -92,7 +87,7 @@ class Workers:
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, self.conns)
         try:
             self._wait_started()
-            self.group = TPGroup(self.store, 0, size, config.device)
+            self.group = make_group(self.store, 0, config)
         except BaseException:
             self.close()
             raise

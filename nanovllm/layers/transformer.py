@@ -18,6 +18,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_parameters, rope_parameters
+from nanovllm.utils.parallel import HeldElsewhere, stage_layers
 
 # Names transformers gives the activation SiluAndMul computes ("swish" is the same function).
 SILU_NAMES = ("silu", "swish")
@@ -131,12 +132,16 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int, flags: DecoderFlags, build_mlp):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # (a pipeline stage holds some layers: the first stage the embeddings, the last the norm)
+        held = stage_layers(config.num_hidden_layers)
+        first, last = held.start == 0, held.stop == config.num_hidden_layers
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if first else HeldElsewhere()
         # one cos/sin table for all layers (they all rotate alike); a buffer, so no checkpoint name
         rotary_emb = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
         self.layers = nn.ModuleList(DecoderLayer(config, rotary_emb, flags, build_mlp(config, i, flags),
-                                                 f"model.layers.{i}") for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+                                                 f"model.layers.{i}") if i in held else HeldElsewhere()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if last else HeldElsewhere()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -185,8 +190,10 @@ class DecoderForCausalLM(nn.Module):
         self.check_config(config, max_position)
         self.config = config
         self.model = DecoderModel(config, max_position, self.flags(config), self.build_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
+        # (pipeline parallelism: the first stage's, beside the embeddings; distributed/pipeline.py says why)
+        first = not isinstance(self.model.embed_tokens, HeldElsewhere)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if first else HeldElsewhere()
+        if first and getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

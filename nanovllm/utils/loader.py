@@ -7,6 +7,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.utils.logging import progress
+from nanovllm.utils.parallel import HeldElsewhere
 
 # Checkpoint tensors that hold no weights: old checkpoints saved RoPE's inverse frequencies.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -84,10 +85,13 @@ def load_file(model: nn.Module, file: str, params: dict, loaded: set[str], unexp
         f = safe_open(file, "pt", "cpu")
     except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable
         raise ValueError(f"cannot read weights file {file!r}: {e}") from e
+    elsewhere = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, HeldElsewhere))
     with f:
         for name in f.keys():
             target, shard_id = model.checkpoint_target(name)
             if target not in params:
+                if target.startswith(elsewhere):  # (pipeline parallelism: another stage's part)
+                    continue
                 if shard_id is not None or not name.endswith(IGNORED_TENSOR_SUFFIXES):
                     unexpected.append(name)
                 continue

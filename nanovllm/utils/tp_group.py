@@ -22,6 +22,11 @@ class TPGroup:
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
 
+    @property
+    def tp(self) -> "TPGroup":
+        """The group the model's layers shard over: this one (a pipeline stage's StageGroup has its own)."""
+        return self
+
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         options = dist.AllreduceOptions()
         options.reduceOp = op

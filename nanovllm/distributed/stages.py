@@ -1,0 +1,213 @@
+"""What a pipeline stage is (pipeline_parallel_size > 1; distributed/pipeline.py's PipelineRunner
+runs one, and its docstring tells the whole design): the ranks' groups (StageGroup, make_group),
+the layers of each stage, the model built for them, a step cut into micro-batches, a stage's
+share of the forward, and its clock. Config's checks are here too (check_options), so that
+Config loads none of the runner."""
+from contextlib import contextmanager
+from time import perf_counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanovllm.engine.step_batch import StepBatch
+from nanovllm.utils import parallel
+from nanovllm.utils.parallel import HeldElsewhere
+from nanovllm.utils.tp_group import COLLECTIVE_TIMEOUT, TPGroup
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
+
+
+# Micro-batches per stage in a step: 2P of them keep each of P stages busy 2P / (3P - 1) of the
+# step (80 % at P = 2, 75 % at P = 3, never under 2/3), against P / (2P - 1) for one each; more
+# shrink the bubble further but cut the batch each kernel sees.
+MICRO_BATCHES_PER_STAGE = 2
+
+
+def check_options(config: "Config"):
+    """Config's checks of pipeline_parallel_size > 1: a ValueError naming the option."""
+    pp, layers = config.pipeline_parallel_size, config.hf_config.num_hidden_layers
+    if pp > layers:
+        raise ValueError(f"pipeline_parallel_size={pp} is more than the model's num_hidden_layers={layers}: "
+                         f"every stage needs a layer")
+    if config.speculative is not None:
+        raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+    if config.kv_offloading_size:
+        raise ValueError("kv_offloading_size (the host tier) is not supported with pipeline_parallel_size > 1")
+    check_gpus(config)
+
+
+def layers_of_stage(num_layers: int, num_stages: int, stage: int) -> range:
+    """The decoder layers of a stage: num_layers / num_stages each, the remainder one more each for
+    the last stages (the first also holds the embeddings and the LM head)."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + max(0, stage - (num_stages - extra))
+    return range(start, start + base + (stage >= num_stages - extra))
+
+
+@contextmanager
+def pipeline_stage(layers: range):
+    """A model built inside holds only these decoder layers (utils/parallel.py's stage_layers), and
+    a HeldElsewhere in place of each other part (layers, embeddings, norm, LM head) it does not."""
+    previous, parallel._STAGE_LAYERS = parallel._STAGE_LAYERS, layers
+    try:
+        yield
+    finally:
+        parallel._STAGE_LAYERS = previous
+
+
+class StageGroup:
+    """A rank's groups: its stage's TPGroup (`tp`, None with one rank a stage), and one group of
+    every rank for the point-to-point transfers and the all-reduce of the KV block count.
+    rank: in all (rank 0 runs the engine); local_rank: on its node (its GPU's index)."""
+
+    def __init__(self, store: dist.Store, rank: int, config: "Config", local_rank: int | None = None):
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.rank, self.size, self.num_stages = rank, config.world_size, pp
+        self.local_rank = rank if local_rank is None else local_rank
+        self.stage, self.tp_rank = divmod(rank, tp)
+        self.next = (self.stage + 1) % pp * tp + self.tp_rank       # (the ring: the last stage's is the first)
+        self.previous = (self.stage - 1) % pp * tp + self.tp_rank
+        self.first, self.last = self.stage == 0, self.stage == pp - 1
+        ranks = dist.PrefixStore("pipeline", store)
+        if config.device == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            self.pg = dist.ProcessGroupNCCL(ranks, rank, self.size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(ranks, rank, self.size, COLLECTIVE_TIMEOUT)
+        self.tp = (TPGroup(dist.PrefixStore(f"stage{self.stage}", store), self.tp_rank, tp, config.device,
+                           self.local_rank) if tp > 1 else None)
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Over every rank of every stage."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        self.pg.allreduce([t], options).wait()
+        return t
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` on rank 0 (None elsewhere)."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
+        self.pg.gather([parts] if self.rank == 0 else [], [t], options).wait()
+        return parts if self.rank == 0 else None
+
+    def send(self, t: torch.Tensor, tag: int):
+        """`t` to this rank's peer on the next stage; the returned work is done once it has left."""
+        return self.pg.send([t], self.next, tag)
+
+    def recv(self, t: torch.Tensor, tag: int):
+        """Into `t`, from this rank's peer on the previous stage (wait() on the returned work)."""
+        return self.pg.recv([t], self.previous, tag)
+
+    def shutdown(self):
+        if self.tp is not None:
+            self.tp.shutdown()
+        if hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
+
+
+def split_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
+    """The step as up to `parts` runs of consecutive sequences with about equal new tokens. The
+    table writes go with the first (prepared before any runs), each prompt-logprobs entry with
+    its sequence (its index made the run's); the host tier's copies are the whole step's."""
+    cu = np.cumsum(batch.num_new)
+    ends = np.searchsorted(cu, cu[-1] * np.arange(1, parts) / parts) + 1      # (a run ends past these tokens)
+    bounds = np.unique(np.concatenate([[0], ends.clip(1, batch.num_seqs), [batch.num_seqs]]))
+    runs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        first = start == 0
+        runs.append(StepBatch(
+            batch.rows[start:end], batch.starts[start:end], batch.num_new[start:end], batch.samples[start:end],
+            new_blocks=batch.new_blocks if first else [], new_tokens=batch.new_tokens if first else [],
+            fixed_tokens=batch.fixed_tokens if first else [],
+            prompt_logprobs=[(i - start, *rest) for i, *rest in batch.prompt_logprobs if start <= i < end]))
+    return runs
+
+
+def stage_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, received: torch.Tensor | None):
+    """This stage's share of the decoder's forward (layers/transformer.py's DecoderModel): from the
+    input ids on the first stage, else from received [2, T, hidden] (hidden, residual). Returns the
+    same pair for the next stage, or on the last the final hidden states [T, hidden]."""
+    decoder = model.model
+    hidden, residual = (decoder.embed_tokens(input_ids), None) if received is None else received.unbind()
+    for layer in decoder.layers:
+        if not isinstance(layer, HeldElsewhere):
+            hidden, residual = layer(positions, hidden, residual)
+    if isinstance(decoder.norm, HeldElsewhere):
+        return torch.stack([hidden, residual])
+    return decoder.norm(hidden, residual)[0]
+
+
+class StageClock:
+    """When a rank worked on and waited in each step since time_stages(True): host time on CPU;
+    on a GPU, CUDA events on the stream (a recv there holds the stream, not the host)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.steps: list[list] = []  # per step: [start, end, decode only?, [(wait start, wait end), ...]]
+
+    def _mark(self):
+        if not self.cuda:
+            return perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def step_started(self, decode_only: bool):
+        self.steps.append([self._mark(), None, decode_only, []])
+
+    def step_ended(self):
+        self.steps[-1][1] = self._mark()
+
+    def wait_started(self):
+        self.steps[-1][3].append([self._mark(), None])
+
+    def wait_ended(self):
+        self.steps[-1][3][-1][1] = self._mark()
+
+    def seconds(self) -> np.ndarray:
+        """[steps, 4]: start and end (s from the first step's start), time waiting, decode only (1/0)."""
+        if not self.steps:
+            return np.zeros((0, 4))
+        if self.cuda:
+            torch.cuda.synchronize()
+        origin = self.steps[0][0]
+        since = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)  # noqa: E731
+        return np.array([[since(origin, start), since(origin, end), sum(since(a, b) for a, b in waits), decode]
+                         for start, end, decode, waits in self.steps])
+
+
+def stage_busy(times: np.ndarray, tp: int) -> tuple[np.ndarray, list[float]]:
+    """stage_times' figures as each stage's busy share, [stages, steps] (the mean of its ranks), and
+    over the decode steps. A rank is idle while it waits for the stage before, and on the stages
+    after the first between steps too (for the next step's call); rank 0 spends that time on the
+    engine's host work. A step's span runs to the next one's start (the last: its end)."""
+    start, end, waited = times[..., 0], times[..., 1], times[..., 2]
+    span = np.concatenate([start[:, 1:], end[:, -1:]], axis=1) - start          # [ranks, steps]
+    work = np.where(np.arange(len(times))[:, None] == 0, span, end - start) - waited
+    busy = (work / np.maximum(span, 1e-12)).reshape(-1, tp, times.shape[1]).mean(1)  # [stages, steps]
+    decode = times[0, :, 3] == 1
+    over_decode = (work[:, decode].sum(1) / np.maximum(span[:, decode].sum(1), 1e-12)).reshape(-1, tp).mean(1)
+    return busy, over_decode.tolist()
+
+
+def check_gpus(config: "Config"):
+    """A ValueError unless each node sees a GPU for each of its ranks (one GPU a rank: NCCL's rule)."""
+    local = config.world_size // config.nnodes  # (ranks on this node)
+    if config.device == "cuda" and local > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
+                         f"{config.pipeline_parallel_size} over nnodes={config.nnodes} needs {local} GPUs on each "
+                         f"node; {torch.cuda.device_count()} are visible")
+
+
+def make_group(store: dist.Store, rank: int, config: "Config", local_rank: int | None = None):
+    """The group a rank's runner is given: its TPGroup, or with pipeline stages a
+    StageGroup (its stage's TPGroup and the point-to-point group of all ranks)."""
+    if config.pipeline_parallel_size > 1:
+        return StageGroup(store, rank, config, local_rank)
+    return TPGroup(store, rank, config.tensor_parallel_size, config.device, local_rank)

@@ -1,0 +1,156 @@
+"""Pipeline parallelism on CPU (gloo): the decoder layers over 2 or 3 stages, alone or with TP=2
+in each, give Hugging Face's greedy tokens; each stage holds and sizes only its layers; steps are
+cut into micro-batches; the stages' timing; bad options; no process left behind."""
+import numpy as np
+import pytest
+
+from hf_reference import assert_greedy_matches_hf
+from nanovllm import LLM, SamplingParams
+from nanovllm.distributed.pipeline import stage_layout, stage_times, time_stages
+from nanovllm.distributed.stages import layers_of_stage, split_batch, stage_busy
+from nanovllm.engine.step_batch import StepBatch
+from nanovllm.utils.tiny_model import build_model
+from test_tensor_parallel import child_pids
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def five_layer_dir(tmp_path_factory):
+    """Five decoder layers, tied embeddings: over 3 stages 1 + 2 + 2, the first holding the one table."""
+    return build_model(str(tmp_path_factory.mktemp("qwen3_5_layers")), seed=3, num_hidden_layers=5,
+                       tie_word_embeddings=True)
+
+
+def test_pp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
+    shared = list(range(3, 203))
+    with LLM(model_dir, pipeline_parallel_size=2, max_model_len=400, max_num_batched_tokens=96,
+             num_kvcache_blocks=30) as llm:
+        assert_greedy_matches_hf(llm, model_dir, prompts, reference,
+                                 SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        assert llm.stats()["num_preemptions"] > 0
+        assert_greedy_matches_hf(llm, model_dir, [shared + [1]], reference, GREEDY)
+        later = assert_greedy_matches_hf(llm, model_dir, [shared + [2], shared + [3]], reference, GREEDY)
+        assert all(o["num_cached_tokens"] > 0 for o in later)
+
+
+def test_tp2_pp2_matches_hf(model_dir, prompts, reference):
+    """Four ranks: two stages of two; rank t of a stage sends to rank t of the next."""
+    before = set(child_pids())
+    with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, max_model_len=400,
+             max_num_batched_tokens=128, num_kvcache_blocks=40) as llm:
+        assert len(set(child_pids()) - before) == 3
+        assert_greedy_matches_hf(llm, model_dir, prompts, reference, GREEDY)
+        layout = stage_layout(llm.model_runner)
+    assert [(r["stage"], r["first_layer"], r["stop_layer"]) for r in layout] == [(0, 0, 1), (0, 0, 1), (1, 1, 2),
+                                                                                (1, 1, 2)]
+    assert not set(child_pids()) - before
+
+
+def test_pp3_with_a_middle_stage_and_tied_embeddings_matches_hf(five_layer_dir, prompts, reference):
+    with LLM(five_layer_dir, pipeline_parallel_size=3, max_model_len=400, max_num_batched_tokens=128) as llm:
+        assert_greedy_matches_hf(llm, five_layer_dir, prompts[:6], reference, GREEDY)
+        layout = stage_layout(llm.model_runner)
+        names = [name for name, _ in llm.model_runner.model.named_parameters()]
+    assert [(r["first_layer"], r["stop_layer"]) for r in layout] == [(0, 1), (1, 3), (3, 5)]
+    # the first stage: the embeddings (= the LM head, tied) and layer 0 only; no final norm
+    assert "model.embed_tokens.weight" in names and not any(n.startswith(("model.layers.1.", "model.norm"))
+                                                             for n in names)
+
+
+def test_pp2_overlapped_equals_pp1_synchronous_on_a_mixed_workload(model_dir):
+    """Seeded sampling, penalties, n=2, logprobs, stop strings and a tight KV budget through two
+    stages' micro-batches give one stage's synchronous outputs."""
+    from test_async_scheduling import MAX_MODEL_LEN, WORKLOAD, assert_same_logprobs, comparable
+    shared = list(range(40, 90))
+    prompts = [shared + [i] * (i + 1) for i in range(len(WORKLOAD))]
+    options = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=14, kvcache_block_size=16)
+    reference = LLM(model_dir, async_scheduling=False, **options).generate(prompts, WORKLOAD, use_tqdm=False)
+    with LLM(model_dir, pipeline_parallel_size=2, **options) as llm:
+        outputs = llm.generate(prompts, WORKLOAD, use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+    assert comparable(outputs) == comparable(reference)
+    assert_same_logprobs(outputs, reference)
+
+
+def test_pp2_prompt_logprobs_equal_pp1(model_dir):
+    """The last stage sends every row of a run with prompt logprobs back, not only its sampling rows."""
+    prompts = [[5, 17, 33, 2, 9, 100, 200, 300] * 4, [7, 8, 9] * 5]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    expected = LLM(model_dir, max_model_len=128, max_num_batched_tokens=16).generate(prompts, params, use_tqdm=False)
+    with LLM(model_dir, pipeline_parallel_size=2, max_model_len=128, max_num_batched_tokens=16) as llm:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    for mine_out, their_out in zip(got, expected, strict=True):
+        for mine, theirs in zip(mine_out["prompt_logprobs"][1:], their_out["prompt_logprobs"][1:], strict=True):
+            assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+
+
+def test_each_stage_holds_and_sizes_only_its_layers(model_dir):
+    """Half the layers a stage: half the KV bytes a block, so twice the blocks in the same budget
+    (CPU_KV_CACHE_BYTES; max_num_seqs x max_model_len sequences would take more)."""
+    options = dict(max_model_len=1024, max_num_seqs=16384)
+    one = LLM(model_dir, **options).model_runner
+    with LLM(model_dir, pipeline_parallel_size=2, **options) as llm:
+        layout = stage_layout(llm.model_runner)
+        names = {name for name, _ in llm.model_runner.model.named_parameters()}
+    assert [(r["first_layer"], r["stop_layer"]) for r in layout] == [(0, 1), (1, 2)]
+    assert all(2 * r["kv_block_bytes"] == one.kv_block_bytes() for r in layout)
+    assert all(r["num_kv_blocks"] == 2 * one.num_kv_blocks for r in layout)
+    assert "lm_head.weight" in names and not any(".layers.1." in n or "model.norm" in n for n in names)
+
+
+def test_layers_of_stage_cover_every_layer_once_the_later_stages_larger():
+    for num_layers in range(1, 30):
+        for stages in range(1, num_layers + 1):
+            parts = [layers_of_stage(num_layers, stages, s) for s in range(stages)]
+            assert [i for part in parts for i in part] == list(range(num_layers))
+            sizes = [len(p) for p in parts]
+            assert sizes == sorted(sizes) and sizes[-1] - sizes[0] <= 1 and sizes[0] >= 1
+
+
+def batch(num_new, **extra):
+    n = len(num_new)
+    return StepBatch(np.arange(n, dtype=np.int32), np.zeros(n, dtype=np.int32), np.array(num_new, dtype=np.int32),
+                     np.ones(n, dtype=bool), **extra)
+
+
+def test_split_batch_cuts_whole_sequences_of_about_equal_tokens():
+    decode = split_batch(batch([1] * 8, new_blocks=[(0, 0, [5])], new_tokens=[(3, [1, 2])],
+                               prompt_logprobs=[(1, 0, 1, 0), (6, 0, 1, 2)]), 4)
+    assert [list(r.rows) for r in decode] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert decode[0].new_blocks == [(0, 0, [5])] and decode[0].new_tokens == [(3, [1, 2])]  # (applied first)
+    assert all(not r.new_blocks and not r.new_tokens for r in decode[1:])
+    assert decode[0].prompt_logprobs == [(1, 0, 1, 0)] and decode[3].prompt_logprobs == [(0, 0, 1, 2)]
+    assert [list(r.rows) for r in split_batch(batch([100, 1, 1, 1]), 4)] == [[0], [1, 2, 3]]
+    assert [list(r.rows) for r in split_batch(batch([500]), 4)] == [[0]]
+    assert [list(r.rows) for r in split_batch(batch([1, 1]), 4)] == [[0], [1]]
+
+
+def test_stage_times_show_each_stage_working_and_waiting(model_dir):
+    with LLM(model_dir, pipeline_parallel_size=2, max_model_len=128) as llm:
+        time_stages(llm.model_runner, True)
+        llm.generate([[i + 1] * 8 for i in range(16)], GREEDY, use_tqdm=False)
+        times = stage_times(llm.model_runner)
+        time_stages(llm.model_runner, False)
+    assert times.shape[0] == 2 and times.shape[1] >= 16 and times.shape[2] == 4
+    assert (times[:, :, 3] == 1).sum(1).min() >= 14  # the decode steps, on both ranks alike
+    start, end, waited = times[..., 0], times[..., 1], times[..., 2]
+    assert (np.diff(start, axis=1) > 0).all() and (end >= start).all() and (waited >= 0).all()
+    assert (waited <= end - start + 1e-6).all() and waited[1].sum() > 0  # (stage 1 waits for stage 0)
+    busy, over_decode = stage_busy(times, tp=1)
+    assert busy.shape == (2, times.shape[1]) and ((busy > 0) & (busy <= 1 + 1e-9)).all()
+    assert all(0 < f <= 1 for f in over_decode)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(pipeline_parallel_size=3), ValueError, r"pipeline_parallel_size=3 is more than the model's "
+                                                 r"num_hidden_layers=2"),
+    (dict(pipeline_parallel_size=0), ValueError, r"pipeline_parallel_size must be >= 1, got 0"),
+    (dict(pipeline_parallel_size="2"), TypeError, r"pipeline_parallel_size must be an int, got '2'"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     ValueError, r"speculative_config is not supported with pipeline_parallel_size > 1"),
+    (dict(pipeline_parallel_size=2, kv_offloading_size=0.01), ValueError, r"kv_offloading_size .* not supported"),
+])
+def test_pipeline_options_are_checked(model_dir, options, error, message):
+    with pytest.raises(error, match=message):
+        LLM(model_dir, **options)
