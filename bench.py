@@ -205,7 +205,8 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
     import matplotlib.pyplot as plt
     steps = range(len(records))
     col = lambda key: [r[key] for r in records]  # noqa: E731
-    fig, axes = plt.subplots(4, 1, figsize=(10, 9), sharex=True)
+    stages = "stage_busy" in records[0] if records else False  # (pipeline parallelism: a fifth panel)
+    fig, axes = plt.subplots(4 + stages, 1, figsize=(10, 9 + 2 * stages), sharex=True)
     axes[0].plot(steps, col("num_seqs"), color="tab:blue")
     axes[0].set_ylabel("sequences\nin the step")
     axes[1].stackplot(steps, col("prefill_tokens"), col("decode_tokens"), labels=["prefill", "decode"],
@@ -228,10 +229,30 @@ def draw_timeline(records: list[dict], num_blocks: int, path: str):
     axes[3].set_ylabel("ms")
     axes[3].set_yscale("log")
     axes[3].legend(loc="upper right")
-    axes[3].set_xlabel("step")
+    if stages:  # each stage's share of its step spent working (the rest: waiting for the stage before)
+        for stage, busy in enumerate(zip(*col("stage_busy"))):
+            axes[4].plot(steps, [100 * b for b in busy], linewidth=0.8, label=f"stage {stage}")
+        axes[4].set_ylabel("stage busy %")
+        axes[4].set_ylim(0, 105)
+        axes[4].legend(loc="lower right")
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def pipeline_busy(llm, records: list[dict] | None) -> list[float]:
+    """Each stage's busy share of the decode steps (stages.stage_busy), and into each timeline
+    record its step's per stage (the ranks' steps are the engine's, one for one, from the attach)."""
+    from nanovllm.distributed.pipeline import stage_times, time_stages
+    from nanovllm.distributed.stages import stage_busy
+    times = stage_times(llm.model_runner)
+    time_stages(llm.model_runner, False)
+    busy, over_decode = stage_busy(times, llm.config.tensor_parallel_size)
+    if records is not None and len(records) == busy.shape[1]:
+        for record, per_stage in zip(records, busy.T):
+            record["stage_busy"] = per_stage.tolist()
+    return over_decode
 
 
 def run_nanovllm(args, path, prompts, max_tokens):
@@ -240,13 +261,17 @@ def run_nanovllm(args, path, prompts, max_tokens):
               max_model_len=args.max_model_len, max_num_seqs=min(args.max_num_seqs, args.num_seqs),
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
               attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
-              num_kvcache_blocks=args.num_kvcache_blocks, async_scheduling=args.async_scheduling,
+              pipeline_parallel_size=args.pipeline_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks,
+              async_scheduling=args.async_scheduling,
               speculative_config=args.speculative_config, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
     weights = weight_bytes(llm.model_runner.model)
     warm_up(llm, prompts)                                   # not timed; the recorder counts from here
     recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
     llm.attach_recorder(recorder)
+    if args.pipeline_parallel_size > 1:  # each rank's work and waits, step by step
+        from nanovllm.distributed.pipeline import time_stages
+        time_stages(llm.model_runner, True)
     before = dict(llm.stats())
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     sync(llm.config.device)
@@ -275,6 +300,8 @@ def run_nanovllm(args, path, prompts, max_tokens):
     if args.speculative_config:  # vLLM's figures: accepted / drafted, and tokens per draft (1 + accepted / drafts)
         result["spec_acceptance_rate"] = accepted / max(draft_tokens, 1)
         result["spec_mean_acceptance_length"] = 1 + accepted / max(drafts, 1)
+    if args.pipeline_parallel_size > 1:
+        result["pipeline_stage_busy"] = pipeline_busy(llm, recorder.records)
     if args.timeline:
         draw_timeline(recorder.records, stats["num_blocks"], args.timeline)
         result["timeline"] = args.timeline
@@ -385,6 +412,8 @@ def parse_args(argv=None):
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--num-kvcache-blocks", type=int, help="fix the KV cache size (a small one shows preemption)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="> 1: prints each stage's busy share of "
+                   "the decode steps (and --timeline draws it step by step)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlap the host's work with the device's (--no-async-scheduling: the synchronous loop)")
     p.add_argument("--speculative-config", metavar="JSON", help='speculative decoding, e.g. '
@@ -449,6 +478,9 @@ def main(argv=None):
               f"{result['spec_mean_acceptance_length']:.2f}")
     if result["gpu_idle_between_decode_steps"] is not None:
         print(f"  GPU idle between decode steps: {result['gpu_idle_between_decode_steps']:.1%} of their wall time")
+    if "pipeline_stage_busy" in result:
+        print("  pipeline stages busy in decode steps: " + ", ".join(
+            f"stage {i} {share:.1%}" for i, share in enumerate(result["pipeline_stage_busy"])))
     if args.compare == "hf":
         baseline = run_hf(args, path, prompts, max_tokens, result["device"])
         result["baseline"] = baseline

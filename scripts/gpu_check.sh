@@ -57,7 +57,7 @@ STEPS=(
   "15 rerun_failures failed tests again, CUDA_LAUNCH_BLOCKING=1"
   "12 decode_kernel decode kernel micro-benchmark, and a verify step's (vs reference, graph vs eager)"
   "10 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
-  "50 bench_hf bench.py default workload vs HF"
+  "42 bench_hf bench.py default workload vs HF"
   "22 bench_sync bench.py default workload, synchronous loop"
   "32 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
   "8 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
@@ -71,6 +71,7 @@ STEPS=(
   "9 quant_awq bench.py short workload, AWQ checkpoint, probe vs bf16"
   "9 quant_fp8_kv bench.py short workload, fp8 KV cache, probe vs bf16"
   "10 multiturn bench_multiturn.py qwen3-0.6b, host tier off and on"
+  "8 pipeline bench.py 256 short requests over 2 pipeline stages: each stage's busy share (2 GPUs; SKIP on one)"
 )
 BOXES_S=0
 for entry in "${STEPS[@]}"; do BOXES_S=$((BOXES_S + ${entry%% *})); done
@@ -203,6 +204,13 @@ quant_fp8() { PROBE=fp8 bench "${QUANT[@]}" --quantization fp8; }
 quant_fp8_block() { PROBE=fp8_block bench "${QUANT[@]}" --dummy qwen3-0.6b-fp8; }
 quant_awq() { PROBE=awq bench "${QUANT[@]}" --dummy qwen3-0.6b-awq; }
 quant_fp8_kv() { PROBE=fp8_kv bench "${QUANT[@]}" --kv-cache-dtype fp8; }
+pipeline() {  # (two stages are two NCCL ranks, and NCCL takes one GPU a rank)
+  if ! python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)"; then
+    echo "one GPU: 2 pipeline stages need 2 (NCCL: one rank a GPU)"
+    return 3
+  fi
+  bench --pipeline-parallel-size 2 --max-input-len 256 --min-output-len 64 --max-output-len 64 --json
+}
 multiturn() {
   python3 scripts/bench_multiturn.py --dummy qwen3-0.6b --device cuda --conversations 8 --turns 4 \
     --system-len 1024 --question-len 128 --answer-len 32 $( ((WARM)) && echo --conversations 2 --turns 2)

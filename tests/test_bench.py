@@ -59,6 +59,22 @@ def test_timeline_draws_every_step(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_pipeline_run_prints_each_stages_busy_share_and_draws_it_per_step(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="--timeline needs matplotlib (the 'plot' extra)")
+    drawn = []
+    draw = bench.draw_timeline
+    monkeypatch.setattr(bench, "draw_timeline", lambda records, *args: drawn.append(records) or draw(records, *args))
+    png = tmp_path / "timeline.png"
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "8", "--min-input-len", "16", "--max-input-len", "32",
+                         "--min-output-len", "8", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "64",
+                         "--pipeline-parallel-size", "2", "--timeline", str(png)])
+    busy = result["pipeline_stage_busy"]
+    assert len(busy) == 2 and all(0 < b <= 1 for b in busy)
+    assert "pipeline stages busy in decode steps: stage 0" in capsys.readouterr().out
+    (records,) = drawn
+    assert records and all(len(r["stage_busy"]) == 2 for r in records) and png.stat().st_size > 10_000
+
+
 def test_moe_presets():
     """--dummy qwen3-30b-a3b is Qwen3-30B-A3B's shape (30.5B parameters, built here on the meta
     device), and its toy twin runs on CPU."""

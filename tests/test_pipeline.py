@@ -7,7 +7,8 @@ import pytest
 from hf_reference import assert_greedy_matches_hf
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed.pipeline import stage_layout, stage_times, time_stages
-from nanovllm.distributed.stages import layers_of_stage, split_batch, stage_busy
+from nanovllm.distributed.stages import (head_cost_in_layers, layers_of_stage, num_micro_batches, split_batch,
+                                         stage_busy)
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.utils.tiny_model import build_model
 from test_tensor_parallel import child_pids
@@ -99,13 +100,22 @@ def test_each_stage_holds_and_sizes_only_its_layers(model_dir):
     assert "lm_head.weight" in names and not any(".layers.1." in n or "model.norm" in n for n in names)
 
 
-def test_layers_of_stage_cover_every_layer_once_the_later_stages_larger():
+def test_layers_of_stage_cover_every_layer_once_the_first_lighter_by_the_lm_head():
     for num_layers in range(1, 30):
-        for stages in range(1, num_layers + 1):
-            parts = [layers_of_stage(num_layers, stages, s) for s in range(stages)]
-            assert [i for part in parts for i in part] == list(range(num_layers))
-            sizes = [len(p) for p in parts]
-            assert sizes == sorted(sizes) and sizes[-1] - sizes[0] <= 1 and sizes[0] >= 1
+        for stages in range(2, num_layers + 1):
+            for head in (0.0, 0.4, 2.0, 9.9, 100.0):
+                parts = [layers_of_stage(num_layers, stages, s, head) for s in range(stages)]
+                assert [i for part in parts for i in part] == list(range(num_layers))
+                sizes = [len(p) for p in parts]
+                assert min(sizes) >= 1 and sizes[1:] == sorted(sizes[1:]) and sizes[-1] - sizes[1] <= 1
+                ideal = (num_layers + head) / stages - head  # (the first stage's share of the work, in layers)
+                assert abs(sizes[0] - ideal) <= 0.5 or sizes[0] in (1, num_layers - stages + 1)
+    # Qwen3-0.6B's LM head (151,936 x 1,024) is ~9.9 of its layers' work: 9 + 19 layers over 2 stages
+    from transformers import Qwen3Config
+    config = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    assert round(head_cost_in_layers(config), 1) == 9.9
+    assert [layers_of_stage(28, 2, s, head_cost_in_layers(config)) for s in (0, 1)] == [range(0, 9), range(9, 28)]
 
 
 def batch(num_new, **extra):
@@ -126,19 +136,32 @@ def test_split_batch_cuts_whole_sequences_of_about_equal_tokens():
     assert [list(r.rows) for r in split_batch(batch([1, 1]), 4)] == [[0], [1]]
 
 
-def test_stage_times_show_each_stage_working_and_waiting(model_dir):
-    with LLM(model_dir, pipeline_parallel_size=2, max_model_len=128) as llm:
+def test_num_micro_batches_needs_enough_tokens_for_each():
+    assert num_micro_batches(32, 2, "cpu") == 1        # (a small decode step runs whole)
+    assert num_micro_batches(128, 2, "cpu") == 2 and num_micro_batches(4096, 2, "cpu") == 4
+    assert num_micro_batches(4096, 3, "cpu") == 6 and num_micro_batches(512, 2, "cuda") == 2
+
+
+def test_decode_steps_in_micro_batches_equal_one_stage_and_are_timed(model_dir):
+    """256 decoding sequences: 4 micro-batches of 64 a step (MIN_MICRO_BATCH_TOKENS on CPU), each
+    stage's work and waits timed step by step (stage_times)."""
+    prompts = [[i % 500 + 1, i // 500 + 1] * 3 for i in range(256)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(max_model_len=64, max_num_seqs=256)
+    expected = LLM(model_dir, **options).generate(prompts, params, use_tqdm=False)
+    with LLM(model_dir, pipeline_parallel_size=2, **options) as llm:
         time_stages(llm.model_runner, True)
-        llm.generate([[i + 1] * 8 for i in range(16)], GREEDY, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         times = stage_times(llm.model_runner)
         time_stages(llm.model_runner, False)
-    assert times.shape[0] == 2 and times.shape[1] >= 16 and times.shape[2] == 4
-    assert (times[:, :, 3] == 1).sum(1).min() >= 14  # the decode steps, on both ranks alike
+    assert [o["token_ids"] for o in outputs] == [e["token_ids"] for e in expected]
+    assert times.shape == (2, 6, 5)  # (ranks, steps: a prefill then 5 decodes, figures)
+    assert times[0, :, 3].tolist() == [0, 1, 1, 1, 1, 1] and times[0, :, 4].tolist() == [4] * 6
     start, end, waited = times[..., 0], times[..., 1], times[..., 2]
     assert (np.diff(start, axis=1) > 0).all() and (end >= start).all() and (waited >= 0).all()
     assert (waited <= end - start + 1e-6).all() and waited[1].sum() > 0  # (stage 1 waits for stage 0)
     busy, over_decode = stage_busy(times, tp=1)
-    assert busy.shape == (2, times.shape[1]) and ((busy > 0) & (busy <= 1 + 1e-9)).all()
+    assert busy.shape == (2, 6) and ((busy > 0) & (busy <= 1 + 1e-9)).all()
     assert all(0 < f <= 1 for f in over_decode)
 
 

@@ -20,7 +20,9 @@ rows when prompt logprobs want them).
 A step is cut into micro-batches (split_batch: runs of whole sequences with about equal tokens).
 The first stage runs micro-batch 1 and sends it on, then runs 2 while the next stage runs 1, ...;
 then it turns each one's final hidden states into logits as they come back. With M micro-batches
-of equal work on P stages each stage works M / (M + P - 1) of the step: MICRO_BATCHES_PER_STAGE.
+of equal work on P stages each stage works M / (M + P - 1) of the step; but each micro-batch
+reads the stage's weights again, so a step is cut only into runs of MIN_MICRO_BATCH_TOKENS or
+more (stages.num_micro_batches): a small decode step runs whole, its stages one after the other.
 
 stage_times() reports how long each rank worked and waited, step by step, for bench.py's
 --timeline: host time on CPU, CUDA events on a GPU (where a recv makes the stream wait, not the host).
@@ -33,8 +35,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from nanovllm.distributed.stages import (MICRO_BATCHES_PER_STAGE, StageClock, StageGroup, layers_of_stage,
-                                         pipeline_stage, split_batch, stage_forward)
+from nanovllm.distributed.stages import (StageClock, StageGroup, head_cost_in_layers, layers_of_stage,
+                                         num_micro_batches, pipeline_stage, split_batch, stage_forward)
 from nanovllm.engine.model_runner import ModelRunner, StepInputs
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.utils.context import Context, forward_context
@@ -46,7 +48,9 @@ class PipelineRunner(ModelRunner):
 
     def _build_model(self, model_class: type):
         group = self.group
-        self.layers = layers_of_stage(self.config.hf_config.num_hidden_layers, group.num_stages, group.stage)
+        hf_config = self.config.hf_config
+        self.layers = layers_of_stage(hf_config.num_hidden_layers, group.num_stages, group.stage,
+                                      head_cost_in_layers(hf_config))
         self.clock: StageClock | None = None  # time_stages(): off until asked for
         with pipeline_stage(self.layers):
             return super()._build_model(model_class)
@@ -60,7 +64,8 @@ class PipelineRunner(ModelRunner):
 
     def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
         """The first stage's ranks keep the sampled tokens (rank 0 broadcasts them over the stage);
-        the other stages never read the token table's tokens."""
+        the other stages never read the token table's tokens (the input ids prepare() gathers
+        there go unused: they start from the hidden states they receive)."""
         if self.group.first:
             if self.group.tp is not None:
                 self.group.tp.broadcast(tokens)
@@ -81,9 +86,10 @@ class PipelineRunner(ModelRunner):
         ModelRunner.run's: rank 0's, for its sampling rows in the step's order)."""
         if not batch.num_seqs:
             return super().run(batch, model, graphs)
+        runs = split_batch(batch, num_micro_batches(int(batch.num_new.sum()), self.group.num_stages,
+                                                    self.device.type))
         if self.clock is not None:
-            self.clock.step_started(bool((batch.num_new == 1).all()))
-        runs = split_batch(batch, MICRO_BATCHES_PER_STAGE * self.group.num_stages)
+            self.clock.step_started(bool((batch.num_new == 1).all()), len(runs))
         inputs = [self.prepare(run, None) for run in runs]  # (every run's host work first)
         logits = self._first_stage(runs, inputs) if self.group.first else self._later_stage(runs, inputs)
         if self.clock is not None:
@@ -94,6 +100,8 @@ class PipelineRunner(ModelRunner):
                                prompt_logprobs=prompt if batch.prompt_logprobs and self.rank == 0 else None)
 
     def _first_stage(self, runs: list[StepBatch], inputs: list[StepInputs]) -> torch.Tensor | None:
+        """Embeddings and this stage's layers for each run, sent on as each is done; then each
+        run's LM head, as its final hidden states come back: the step's logits (rank 0's)."""
         sent = []
         for tag, step in enumerate(inputs):
             with forward_context(step.context):
@@ -119,6 +127,8 @@ class PipelineRunner(ModelRunner):
         return torch.cat(logits) if logits else None
 
     def _later_stage(self, runs: list[StepBatch], inputs: list[StepInputs]) -> None:
+        """Each run from the stage before through this stage's layers, and on: to the next stage,
+        or from the last the final hidden states the first stage's LM head needs."""
         hidden_size = self.config.hf_config.hidden_size
         sent = []
         for tag, (run, step) in enumerate(zip(runs, inputs)):
@@ -129,7 +139,7 @@ class PipelineRunner(ModelRunner):
             if self.group.last:
                 out = out if run.prompt_logprobs else out[step.context.logits_indices] if run.samples.any() else None
             if out is not None:
-                sent.append((self.group.send(out, tag), out))
+                sent.append((self.group.send(out, tag, back=self.group.last), out))
         for work, _ in sent:
             work.wait()
         return None
@@ -141,11 +151,11 @@ class PipelineRunner(ModelRunner):
         if not rows:
             return None
         return self._received(torch.empty(rows, self.config.hf_config.hidden_size, dtype=self.config.dtype,
-                                          device=self.device), tag)
+                                          device=self.device), tag, back=True)
 
-    def _received(self, t: torch.Tensor, tag: int) -> torch.Tensor:
+    def _received(self, t: torch.Tensor, tag: int, back: bool = False) -> torch.Tensor:
         """`t`, filled from the previous stage (the wait timed when time_stages() is on)."""
-        work = self.group.recv(t, tag)
+        work = self.group.recv(t, tag, back)
         if self.clock is not None:
             self.clock.wait_started()
         work.wait()
@@ -162,7 +172,7 @@ def time_stages(runner: PipelineRunner, on: bool):
 
 
 def stage_times(runner: PipelineRunner) -> np.ndarray | None:
-    """Since time_stages(True), on rank 0: [ranks, steps, 4] (StageClock.seconds of each rank; None on the others)."""
+    """Since time_stages(True), on rank 0: [ranks, steps, 5] (each rank's StageClock.seconds; None on the others)."""
     if runner.workers is not None:
         runner.workers.call(stage_times)
     times = torch.tensor(runner.clock.seconds(), dtype=torch.float64, device=runner.device)

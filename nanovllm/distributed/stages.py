@@ -24,6 +24,18 @@ if TYPE_CHECKING:
 # step (80 % at P = 2, 75 % at P = 3, never under 2/3), against P / (2P - 1) for one each; more
 # shrink the bubble further but cut the batch each kernel sees.
 MICRO_BATCHES_PER_STAGE = 2
+# ... but never fewer tokens than this in one: each micro-batch reads its stage's weights again,
+# and a decode step is bound by those reads until its GEMMs have enough rows. On CPU (bench.py
+# --dummy qwen3-0.6b, 2 stages of 1 core, 128 decoding sequences) runs of 64 tokens decode 73.6
+# tok/s against 59.7 for one run and 65.5 for runs of 32; 32 sequences in runs of 8: 37.6 against
+# 47.6 for one. On an H200 a bf16 GEMM is compute-bound from ~200 rows (989 TFLOP/s over 4.8 TB/s
+# = 206 FLOP a byte; a weight's 2 bytes do 2 FLOP a row): 256 there, not yet measured.
+MIN_MICRO_BATCH_TOKENS = {"cpu": 64, "cuda": 256}
+
+
+def num_micro_batches(num_tokens: int, num_stages: int, device: str) -> int:
+    """How many micro-batches a step of num_tokens is cut into (at least 1)."""
+    return max(1, min(MICRO_BATCHES_PER_STAGE * num_stages, num_tokens // MIN_MICRO_BATCH_TOKENS[device]))
 
 
 def check_options(config: "Config"):
@@ -39,12 +51,30 @@ def check_options(config: "Config"):
     check_gpus(config)
 
 
-def layers_of_stage(num_layers: int, num_stages: int, stage: int) -> range:
-    """The decoder layers of a stage: num_layers / num_stages each, the remainder one more each for
-    the last stages (the first also holds the embeddings and the LM head)."""
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + max(0, stage - (num_stages - extra))
-    return range(start, start + base + (stage >= num_stages - extra))
+def layers_of_stage(num_layers: int, num_stages: int, stage: int, head_layers: float = 0.0) -> range:
+    """The decoder layers of a stage. The first also runs the LM head, as much work as head_layers
+    layers (head_cost_in_layers), so it takes that many fewer (at least one); the others share the
+    rest alike, one more each for the last ones where it does not divide."""
+    first = min(max(1, round((num_layers + head_layers) / num_stages - head_layers)), num_layers - num_stages + 1)
+    if stage == 0:
+        return range(first)
+    base, extra = divmod(num_layers - first, num_stages - 1)
+    later = stage - 1
+    start = first + later * base + max(0, later - (num_stages - 1 - extra))
+    return range(start, start + base + (later >= num_stages - 1 - extra))
+
+
+def head_cost_in_layers(hf_config) -> float:
+    """The LM head's multiply-adds a token (vocab x hidden) over a decoder layer's linear layers'
+    (q, k, v, o and the MLP, or the experts a token goes to): the layers of work the LM head is in
+    a decode step (attention's own, which grows with the context, left out)."""
+    from nanovllm.layers.transformer import head_dim_of, num_kv_heads_of
+    c = hf_config
+    hidden, heads, kv_heads = c.hidden_size, c.num_attention_heads, num_kv_heads_of(c)
+    attention = hidden * head_dim_of(c) * (2 * heads + 2 * kv_heads)
+    top_k = getattr(c, "num_experts_per_tok", None)
+    mlp = 3 * hidden * (c.moe_intermediate_size * top_k if top_k else c.intermediate_size)
+    return c.vocab_size * hidden / (attention + mlp)
 
 
 @contextmanager
@@ -59,9 +89,13 @@ def pipeline_stage(layers: range):
 
 
 class StageGroup:
-    """A rank's groups: its stage's TPGroup (`tp`, None with one rank a stage), and one group of
-    every rank for the point-to-point transfers and the all-reduce of the KV block count.
-    rank: in all (rank 0 runs the engine); local_rank: on its node (its GPU's index)."""
+    """A rank's groups: its stage's TPGroup (`tp`, None with one rank a stage), and two groups of
+    every rank: `pg` for the hidden states from stage to stage (and the all-reduce of the KV block
+    count), `back` for the final ones from the last stage to the first. NCCL runs a group's
+    transfers between two ranks in order, on one stream: with 2 stages on one group, the second
+    stage's first send back (queued before its second receive) would wait for the first stage's
+    first receive, queued behind that stage's second send, which waits for the second receive: a
+    deadlock. rank: in all (rank 0 runs the engine); local_rank: on its node (its GPU's index)."""
 
     def __init__(self, store: dist.Store, rank: int, config: "Config", local_rank: int | None = None):
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -71,15 +105,17 @@ class StageGroup:
         self.next = (self.stage + 1) % pp * tp + self.tp_rank       # (the ring: the last stage's is the first)
         self.previous = (self.stage - 1) % pp * tp + self.tp_rank
         self.first, self.last = self.stage == 0, self.stage == pp - 1
-        ranks = dist.PrefixStore("pipeline", store)
-        if config.device == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            self.pg = dist.ProcessGroupNCCL(ranks, rank, self.size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(ranks, rank, self.size, COLLECTIVE_TIMEOUT)
+        self.pg, self.back = (self._all_ranks(dist.PrefixStore(name, store), config.device)
+                              for name in ("pipeline", "pipeline-back"))
         self.tp = (TPGroup(dist.PrefixStore(f"stage{self.stage}", store), self.tp_rank, tp, config.device,
                            self.local_rank) if tp > 1 else None)
+
+    def _all_ranks(self, store: dist.Store, device: str):
+        if device == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            return dist.ProcessGroupNCCL(store, self.rank, self.size, options)
+        return dist.ProcessGroupGloo(store, self.rank, self.size, COLLECTIVE_TIMEOUT)
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """Over every rank of every stage."""
@@ -96,19 +132,22 @@ class StageGroup:
         self.pg.gather([parts] if self.rank == 0 else [], [t], options).wait()
         return parts if self.rank == 0 else None
 
-    def send(self, t: torch.Tensor, tag: int):
-        """`t` to this rank's peer on the next stage; the returned work is done once it has left."""
-        return self.pg.send([t], self.next, tag)
+    def send(self, t: torch.Tensor, tag: int, back: bool = False):
+        """`t` to this rank's peer on the next stage (back: the last stage's to the first); the
+        returned work is done once it has left."""
+        return (self.back if back else self.pg).send([t], self.next, tag)
 
-    def recv(self, t: torch.Tensor, tag: int):
-        """Into `t`, from this rank's peer on the previous stage (wait() on the returned work)."""
-        return self.pg.recv([t], self.previous, tag)
+    def recv(self, t: torch.Tensor, tag: int, back: bool = False):
+        """Into `t`, from this rank's peer on the previous stage (back: the first stage's, from the
+        last); wait() on the returned work."""
+        return (self.back if back else self.pg).recv([t], self.previous, tag)
 
     def shutdown(self):
         if self.tp is not None:
             self.tp.shutdown()
-        if hasattr(self.pg, "shutdown"):
-            self.pg.shutdown()
+        for pg in (self.pg, self.back):
+            if hasattr(pg, "shutdown"):
+                pg.shutdown()
 
 
 def split_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
@@ -149,7 +188,7 @@ class StageClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.steps: list[list] = []  # per step: [start, end, decode only?, [(wait start, wait end), ...]]
+        self.steps: list[list] = []  # per step: [start, end, decode only?, micro-batches, [(wait start, end), ...]]
 
     def _mark(self):
         if not self.cuda:
@@ -158,28 +197,29 @@ class StageClock:
         event.record()
         return event
 
-    def step_started(self, decode_only: bool):
-        self.steps.append([self._mark(), None, decode_only, []])
+    def step_started(self, decode_only: bool, micro_batches: int):
+        self.steps.append([self._mark(), None, decode_only, micro_batches, []])
 
     def step_ended(self):
         self.steps[-1][1] = self._mark()
 
     def wait_started(self):
-        self.steps[-1][3].append([self._mark(), None])
+        self.steps[-1][4].append([self._mark(), None])
 
     def wait_ended(self):
-        self.steps[-1][3][-1][1] = self._mark()
+        self.steps[-1][4][-1][1] = self._mark()
 
     def seconds(self) -> np.ndarray:
-        """[steps, 4]: start and end (s from the first step's start), time waiting, decode only (1/0)."""
+        """[steps, 5]: start and end (s from the first step's start), time waiting, decode only (1/0),
+        micro-batches."""
         if not self.steps:
-            return np.zeros((0, 4))
+            return np.zeros((0, 5))
         if self.cuda:
             torch.cuda.synchronize()
         origin = self.steps[0][0]
         since = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)  # noqa: E731
-        return np.array([[since(origin, start), since(origin, end), sum(since(a, b) for a, b in waits), decode]
-                         for start, end, decode, waits in self.steps])
+        return np.array([[since(origin, start), since(origin, end), sum(since(a, b) for a, b in waits), decode, runs]
+                         for start, end, decode, runs, waits in self.steps])
 
 
 def stage_busy(times: np.ndarray, tp: int) -> tuple[np.ndarray, list[float]]:
