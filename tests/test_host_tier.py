@@ -75,6 +75,17 @@ def test_tensor_parallel_ranks_offload_and_reload_their_shards(model_dir):
             assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
 
 
+def test_pipeline_stages_offload_and_reload_their_layers(model_dir):
+    """Each stage copies its own layers' K/V of a block (half the bytes: as many host blocks)."""
+    reloaded, stats = run_turns(model_dir, kv_offloading_size=HOST_GIB, pipeline_parallel_size=2, **SMALL_DEVICE)
+    single, single_stats = run_turns(model_dir, kv_offloading_size=HOST_GIB, **SMALL_DEVICE)
+    assert stats["host_cache_hits"] == ALL_HITS and stats["num_host_blocks"] == single_stats["num_host_blocks"]
+    assert [o["token_ids"] for o in reloaded] == [o["token_ids"] for o in single]
+    for got, expected in zip(reloaded, single):
+        for mine, theirs in zip(got["logprobs"], expected["logprobs"]):
+            assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+
+
 def test_swap_preemption_gives_the_outputs_of_recompute(model_dir, prompts):
     # swap: a victim's cached blocks are written to the host tier as it is preempted, and its
     # prefix comes back from there (or from the device, if still intact) on readmission

@@ -172,7 +172,6 @@ def test_decode_steps_in_micro_batches_equal_one_stage_and_are_timed(model_dir):
     (dict(pipeline_parallel_size="2"), TypeError, r"pipeline_parallel_size must be an int, got '2'"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      ValueError, r"speculative_config is not supported with pipeline_parallel_size > 1"),
-    (dict(pipeline_parallel_size=2, kv_offloading_size=0.01), ValueError, r"kv_offloading_size .* not supported"),
 ])
 def test_pipeline_options_are_checked(model_dir, options, error, message):
     with pytest.raises(error, match=message):

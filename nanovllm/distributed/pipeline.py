@@ -27,8 +27,9 @@ more (stages.num_micro_batches): a small decode step runs whole, its stages one 
 stage_times() reports how long each rank worked and waited, step by step, for bench.py's
 --timeline: host time on CPU, CUDA events on a GPU (where a recv makes the stream wait, not the host).
 
-Limits: no CUDA graphs (every stage runs eager); no speculative decoding, no host tier of the
-prefix cache (Config says so at start-up).
+The host tier of the prefix cache works as with tensor parallelism: each rank copies its own
+layers' share of a block. Limits: no CUDA graphs (every stage runs eager); no speculative decoding
+(Config says so at start-up).
 """
 from dataclasses import replace
 

@@ -46,8 +46,6 @@ def check_options(config: "Config"):
                          f"every stage needs a layer")
     if config.speculative is not None:
         raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
-    if config.kv_offloading_size:
-        raise ValueError("kv_offloading_size (the host tier) is not supported with pipeline_parallel_size > 1")
     check_gpus(config)
 
 

@@ -163,8 +163,9 @@ class HostCopies:
     Host slots of whole KV blocks, laid out per block, [num_blocks, 2 (K/V), layers, block_size,
     Hkv, D], so that a block (or a run of consecutive slots) moves in one copy instead of 2 * layers
     small strided ones; the device side is gathered into the same layout first, one kernel for all
-    of a step's blocks. Each rank moves its own shard: kv_offloading_size / tp GiB, the same number
-    of slots on every rank (smallest_over_ranks)."""
+    of a step's blocks. Each rank moves its own shard (of its heads; with pipeline stages, of its
+    stage's layers): kv_offloading_size / world_size GiB, the same number of slots on every rank
+    (smallest_over_ranks)."""
 
     def __init__(self, config, kv_cache: torch.Tensor, block_bytes: int, smallest_over_ranks):
         self.kv_cache, self.device = kv_cache, kv_cache.device  # [2, L, num_blocks + 1, bs, Hkv, D]
@@ -172,11 +173,11 @@ class HostCopies:
         self.counts = {"offloaded_blocks": 0, "reloaded_blocks": 0, "offloaded_bytes": 0, "reloaded_bytes": 0,
                        "copy_time_s": 0.0}
         # (block_bytes: this rank's shard; no draft model: Config refuses it)
-        self.num_blocks = smallest_over_ranks(int(config.kv_offloading_size * 2**30 / config.tensor_parallel_size)
+        self.num_blocks = smallest_over_ranks(int(config.kv_offloading_size * 2**30 / config.world_size)
                                               // block_bytes)
         if self.num_blocks < 1:
             raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB holds no KV block: one takes "
-                             f"{block_bytes * config.tensor_parallel_size} bytes over all ranks; raise it, or 0: off")
+                             f"{block_bytes * config.world_size} bytes over all ranks; raise it, or 0: off")
         shape = (self.num_blocks, *kv_cache.shape[:2], *kv_cache.shape[3:])
         if self.device.type == "cuda":
             self.cache = pinned_host_tensor(shape, config.kv_dtype)
