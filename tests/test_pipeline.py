@@ -1,6 +1,8 @@
 """Pipeline parallelism on CPU (gloo): the decoder layers over 2 or 3 stages, alone or with TP=2
 in each, give Hugging Face's greedy tokens; each stage holds and sizes only its layers; steps are
 cut into micro-batches; the stages' timing; bad options; no process left behind."""
+import os
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,28 @@ def test_decode_steps_in_micro_batches_equal_one_stage_and_are_timed(model_dir):
     busy, over_decode = stage_busy(times, tp=1)
     assert busy.shape == (2, 6) and ((busy > 0) & (busy <= 1 + 1e-9)).all()
     assert all(0 < f <= 1 for f in over_decode)
+
+
+def test_pipeline_server_answers_as_one_stage_and_ends_its_ranks(model_dir, tmp_path):
+    """`nanovllm serve --pipeline-parallel-size 2`: the same greedy completion as
+    one stage; SIGTERM ends the other stage's process too."""
+    import subprocess
+
+    from serving import Server, http, wait_for
+    prompt = [5, 6, 7, 8]
+    with LLM(model_dir, max_model_len=128) as reference:
+        expected = reference.generate([prompt], GREEDY, use_tqdm=False)[0]
+    server = Server(model_dir, tmp_path / "server.log", "--pipeline-parallel-size", "2", max_model_len=128)
+    try:
+        ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
+                                                    text=True).stdout.split()]
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        response = http(server, "POST", "/v1/completions", key=None, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected["text"]
+    finally:
+        assert server.stop() == 0, server.log()
+    assert ranks and wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in ranks), timeout=15)
 
 
 @pytest.mark.parametrize("options, error, message", [
