@@ -30,3 +30,17 @@ def assert_greedy_matches_hf(llm, path: str, prompts: list, reference, params) -
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"], "blocks leaked"
     return outputs
+
+
+def assert_matches_hf_with_caching_chunking_and_preemption(llm, path: str, prompts: list, reference):
+    """The parallel engines' common check (llm: max_model_len=400, max_num_batched_tokens=96,
+    num_kvcache_blocks=30): greedy output equal to HF under preemption, then prefix-cache hits."""
+    from nanovllm import SamplingParams
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    shared = list(range(3, 203))
+    assert_greedy_matches_hf(llm, path, prompts, reference, SamplingParams(temperature=0, max_tokens=32,
+                                                                            ignore_eos=True))
+    assert llm.stats()["num_preemptions"] > 0
+    assert_greedy_matches_hf(llm, path, [shared + [1]], reference, greedy)
+    later = assert_greedy_matches_hf(llm, path, [shared + [2], shared + [3]], reference, greedy)
+    assert all(o["num_cached_tokens"] > 0 for o in later)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hf_reference import assert_greedy_matches_hf
+from hf_reference import assert_greedy_matches_hf, assert_matches_hf_with_caching_chunking_and_preemption
 from nanovllm import LLM, SamplingParams
 from test_tensor_parallel import child_pids
 
@@ -41,14 +41,8 @@ def node0(path, port, **options):
 def test_tp2_over_two_nodes_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
     port = free_port()
     node1 = headless(model_dir, port, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, explicit=False)
-    shared = list(range(3, 203))
     with node0(model_dir, port, max_model_len=400, max_num_batched_tokens=96, num_kvcache_blocks=30) as llm:
-        assert_greedy_matches_hf(llm, model_dir, prompts, reference,
-                                 SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-        assert llm.stats()["num_preemptions"] > 0
-        assert_greedy_matches_hf(llm, model_dir, [shared + [1]], reference, GREEDY)
-        later = assert_greedy_matches_hf(llm, model_dir, [shared + [2], shared + [3]], reference, GREEDY)
-        assert all(o["num_cached_tokens"] > 0 for o in later)
+        assert_matches_hf_with_caching_chunking_and_preemption(llm, model_dir, prompts, reference)
     assert node1.wait(timeout=60) == 0, node1.stderr.read()
     assert child_pids() == [] and child_pids(node1.pid) == []
 

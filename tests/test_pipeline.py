@@ -6,14 +6,14 @@ import os
 import numpy as np
 import pytest
 
-from hf_reference import assert_greedy_matches_hf
+from hf_reference import assert_greedy_matches_hf, assert_matches_hf_with_caching_chunking_and_preemption
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed.pipeline import stage_layout, stage_times, time_stages
 from nanovllm.distributed.stages import (head_cost_in_layers, layers_of_stage, num_micro_batches, split_batch,
                                          stage_busy)
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.utils.tiny_model import build_model
-from test_tensor_parallel import child_pids
+from test_tensor_parallel import assert_mixed_workload_equals_one_rank_synchronous, child_pids
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -26,15 +26,9 @@ def five_layer_dir(tmp_path_factory):
 
 
 def test_pp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
-    shared = list(range(3, 203))
     with LLM(model_dir, pipeline_parallel_size=2, max_model_len=400, max_num_batched_tokens=96,
              num_kvcache_blocks=30) as llm:
-        assert_greedy_matches_hf(llm, model_dir, prompts, reference,
-                                 SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-        assert llm.stats()["num_preemptions"] > 0
-        assert_greedy_matches_hf(llm, model_dir, [shared + [1]], reference, GREEDY)
-        later = assert_greedy_matches_hf(llm, model_dir, [shared + [2], shared + [3]], reference, GREEDY)
-        assert all(o["num_cached_tokens"] > 0 for o in later)
+        assert_matches_hf_with_caching_chunking_and_preemption(llm, model_dir, prompts, reference)
 
 
 def test_tp2_pp2_matches_hf(model_dir, prompts, reference):
@@ -62,18 +56,8 @@ def test_pp3_with_a_middle_stage_and_tied_embeddings_matches_hf(five_layer_dir, 
 
 
 def test_pp2_overlapped_equals_pp1_synchronous_on_a_mixed_workload(model_dir):
-    """Seeded sampling, penalties, n=2, logprobs, stop strings and a tight KV budget through two
-    stages' micro-batches give one stage's synchronous outputs."""
-    from test_async_scheduling import MAX_MODEL_LEN, WORKLOAD, assert_same_logprobs, comparable
-    shared = list(range(40, 90))
-    prompts = [shared + [i] * (i + 1) for i in range(len(WORKLOAD))]
-    options = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=14, kvcache_block_size=16)
-    reference = LLM(model_dir, async_scheduling=False, **options).generate(prompts, WORKLOAD, use_tqdm=False)
-    with LLM(model_dir, pipeline_parallel_size=2, **options) as llm:
-        outputs = llm.generate(prompts, WORKLOAD, use_tqdm=False)
-        assert llm.stats()["num_preemptions"] > 0
-    assert comparable(outputs) == comparable(reference)
-    assert_same_logprobs(outputs, reference)
+    """(test_tensor_parallel's mixed workload) through two stages' micro-batches."""
+    assert_mixed_workload_equals_one_rank_synchronous(model_dir, pipeline_parallel_size=2)
 
 
 def test_pp2_prompt_logprobs_equal_pp1(model_dir):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hf_reference import assert_greedy_matches_hf
+from hf_reference import assert_greedy_matches_hf, assert_matches_hf_with_caching_chunking_and_preemption
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.gpu_memory import warmup
@@ -61,14 +61,9 @@ def check(llm, path, prompts, reference, params=GREEDY):
 
 
 def test_tp2_matches_hf_with_caching_chunking_and_preemption(model_dir, prompts, reference):
-    shared = list(range(3, 203))
     with LLM(model_dir, tensor_parallel_size=2, max_model_len=400, max_num_batched_tokens=96,
              num_kvcache_blocks=30) as llm:
-        check(llm, model_dir, prompts, reference, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-        assert llm.stats()["num_preemptions"] > 0
-        check(llm, model_dir, [shared + [1]], reference)
-        later = check(llm, model_dir, [shared + [2], shared + [3]], reference)
-        assert all(o["num_cached_tokens"] > 0 for o in later)
+        assert_matches_hf_with_caching_chunking_and_preemption(llm, model_dir, prompts, reference)
         assert 0 < llm.stats()["tp_message_bytes"] < 1024  # the last step: two decodes
 
 
@@ -78,21 +73,25 @@ def test_tp2_with_fewer_kv_heads_than_ranks(one_kv_head_dir, prompts, reference,
         check(llm, one_kv_head_dir, prompts, reference)
 
 
-def test_tp2_overlapped_equals_tp1_synchronous_on_a_mixed_workload(model_dir):
-    """Overlap scheduling with two ranks: rank 0 broadcasts each step's sampled tokens on the
-    device, which every rank reads as the next step's input ids. Seeded sampling, penalties,
-    n=2, logprobs, stop strings and a tight KV budget give the same outputs as one rank's
-    synchronous loop."""
+def assert_mixed_workload_equals_one_rank_synchronous(model_dir, **parallel):
+    """Seeded sampling, penalties, n=2, logprobs, stop strings and a tight KV budget (preemption)
+    give an engine of these parallel options one rank's outputs from the synchronous loop."""
     from test_async_scheduling import MAX_MODEL_LEN, WORKLOAD, assert_same_logprobs, comparable
     shared = list(range(40, 90))
     prompts = [shared + [i] * (i + 1) for i in range(len(WORKLOAD))]
     options = dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=14, kvcache_block_size=16)
     reference = LLM(model_dir, async_scheduling=False, **options).generate(prompts, WORKLOAD, use_tqdm=False)
-    with LLM(model_dir, tensor_parallel_size=2, **options) as llm:
+    with LLM(model_dir, **parallel, **options) as llm:
         outputs = llm.generate(prompts, WORKLOAD, use_tqdm=False)
         assert llm.stats()["num_preemptions"] > 0
     assert comparable(outputs) == comparable(reference)
     assert_same_logprobs(outputs, reference)
+
+
+def test_tp2_overlapped_equals_tp1_synchronous_on_a_mixed_workload(model_dir):
+    """Overlap scheduling with two ranks: rank 0 broadcasts each step's sampled tokens on the
+    device, which every rank reads as the next step's input ids."""
+    assert_mixed_workload_equals_one_rank_synchronous(model_dir, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

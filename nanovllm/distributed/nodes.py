@@ -2,9 +2,10 @@
 
 world_size = tensor_parallel_size x pipeline_parallel_size ranks, world_size / nnodes on each
 node: node k holds ranks k * local .. (k + 1) * local - 1 (with pipeline stages of tp ranks and tp
-dividing local, whole stages: TP within a node, PP across nodes). Node 0 runs the engine (rank 0) and spawns its other local ranks;
-every other node runs `nanovllm serve MODEL --headless` (run_headless), which spawns its own ranks
-and serves nothing. Start-up, all through node 0's TCPStore at master_addr:master_port:
+dividing local, whole stages: TP within a node, PP across nodes). Node 0 runs the engine (rank 0)
+and spawns its other local ranks; every other node runs `nanovllm serve MODEL --headless`
+(run_headless), which spawns its own ranks and serves nothing. Start-up, all through node 0's
+TCPStore at master_addr:master_port:
 
   1. each headless node reaches the store and announces itself (node/K: the options every node
      must agree on, node_view); node 0 waits for all of them, node_timeout seconds at most;
@@ -99,8 +100,8 @@ def node_view(config: "Config") -> dict:
 
 def headless_command(config: "Config", node_rank: int) -> str:
     return (f"nanovllm serve MODEL --headless --tensor-parallel-size {config.tensor_parallel_size} "
-            f"--pipeline-parallel-size {config.pipeline_parallel_size} --nnodes {config.nnodes} --node-rank {node_rank} --master-addr {config.master_addr} --master-port "
-            f"{config.master_port}")
+            f"--pipeline-parallel-size {config.pipeline_parallel_size} --nnodes {config.nnodes} --node-rank "
+            f"{node_rank} --master-addr {config.master_addr} --master-port {config.master_port}")
 
 
 def local_ranks(config: "Config", node_rank: int) -> range:

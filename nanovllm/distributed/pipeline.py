@@ -118,7 +118,7 @@ class PipelineRunner(ModelRunner):
             with forward_context(step.context if all_rows else Context()):
                 logits.append(self.model.compute_logits(final))
             if all_rows:
-                from nanovllm.features.prompt_logprobs import prompt_logprobs  # (prompt logprobs' layer: loaded when used)
+                from nanovllm.features.prompt_logprobs import prompt_logprobs  # (its layer: loaded when used)
                 step.prompt_logprobs = [(i + first_seq, *rest) for i, *rest in
                                         prompt_logprobs(self.model, self.token_table, final, run, step.context,
                                                         self.rank) or []]

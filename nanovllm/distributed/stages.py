@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.utils import parallel
 from nanovllm.utils.parallel import HeldElsewhere
-from nanovllm.utils.tp_group import COLLECTIVE_TIMEOUT, TPGroup
+from nanovllm.utils.tp_group import TPGroup
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
@@ -88,8 +88,8 @@ def pipeline_stage(layers: range):
 
 class StageGroup:
     """A rank's groups: its stage's TPGroup (`tp`, None with one rank a stage), and two groups of
-    every rank: `pg` for the hidden states from stage to stage (and the all-reduce of the KV block
-    count), `back` for the final ones from the last stage to the first. NCCL runs a group's
+    every rank: `world` for the hidden states from stage to stage (and the all-reduce of the KV
+    block count), `back` for the final ones from the last stage to the first. NCCL runs a group's
     transfers between two ranks in order, on one stream: with 2 stages on one group, the second
     stage's first send back (queued before its second receive) would wait for the first stage's
     first receive, queued behind that stage's second send, which waits for the second receive: a
@@ -103,49 +103,34 @@ class StageGroup:
         self.next = (self.stage + 1) % pp * tp + self.tp_rank       # (the ring: the last stage's is the first)
         self.previous = (self.stage - 1) % pp * tp + self.tp_rank
         self.first, self.last = self.stage == 0, self.stage == pp - 1
-        self.pg, self.back = (self._all_ranks(dist.PrefixStore(name, store), config.device)
-                              for name in ("pipeline", "pipeline-back"))
+        self.world, self.back = (TPGroup(dist.PrefixStore(name, store), rank, self.size, config.device, self.local_rank)
+                                 for name in ("pipeline", "pipeline-back"))
         self.tp = (TPGroup(dist.PrefixStore(f"stage{self.stage}", store), self.tp_rank, tp, config.device,
                            self.local_rank) if tp > 1 else None)
 
-    def _all_ranks(self, store: dist.Store, device: str):
-        if device == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = COLLECTIVE_TIMEOUT
-            return dist.ProcessGroupNCCL(store, self.rank, self.size, options)
-        return dist.ProcessGroupGloo(store, self.rank, self.size, COLLECTIVE_TIMEOUT)
-
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """Over every rank of every stage."""
-        options = dist.AllreduceOptions()
-        options.reduceOp = op
-        self.pg.allreduce([t], options).wait()
-        return t
+        return self.world.all_reduce(t, op)
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` on rank 0 (None elsewhere)."""
-        options = dist.GatherOptions()
-        options.rootRank = 0
-        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
-        self.pg.gather([parts] if self.rank == 0 else [], [t], options).wait()
-        return parts if self.rank == 0 else None
+        return self.world.gather(t)
 
     def send(self, t: torch.Tensor, tag: int, back: bool = False):
         """`t` to this rank's peer on the next stage (back: the last stage's to the first); the
         returned work is done once it has left."""
-        return (self.back if back else self.pg).send([t], self.next, tag)
+        return (self.back if back else self.world).pg.send([t], self.next, tag)
 
     def recv(self, t: torch.Tensor, tag: int, back: bool = False):
         """Into `t`, from this rank's peer on the previous stage (back: the first stage's, from the
         last); wait() on the returned work."""
-        return (self.back if back else self.pg).recv([t], self.previous, tag)
+        return (self.back if back else self.world).pg.recv([t], self.previous, tag)
 
     def shutdown(self):
         if self.tp is not None:
             self.tp.shutdown()
-        for pg in (self.pg, self.back):
-            if hasattr(pg, "shutdown"):
-                pg.shutdown()
+        self.world.shutdown()
+        self.back.shutdown()
 
 
 def split_batch(batch: StepBatch, parts: int) -> list[StepBatch]:

@@ -1,4 +1,5 @@
-"""Ranks 1..N-1 (tensor_parallel_size x pipeline_parallel_size in all): spawned processes that replay rank 0's calls step by step.
+"""Ranks 1..N-1 (tensor_parallel_size x pipeline_parallel_size in all): spawned processes that
+replay rank 0's calls step by step.
 
 The engine (rank 0's process) creates a `Workers` (start_workers; over several nodes,
 distributed/nodes.py's NodeWorkers instead) and hands it to its ModelRunner. It creates

@@ -90,7 +90,7 @@ def load_file(model: nn.Module, file: str, params: dict, loaded: set[str], unexp
         for name in f.keys():
             target, shard_id = model.checkpoint_target(name)
             if target not in params:
-                if target.startswith(elsewhere):  # (pipeline parallelism: another stage's part)
+                if target is not None and target.startswith(elsewhere):  # (pipeline parallelism: another stage's)
                     continue
                 if shard_id is not None or not name.endswith(IGNORED_TENSOR_SUFFIXES):
                     unexpected.append(name)

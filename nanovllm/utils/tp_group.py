@@ -11,7 +11,8 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 class TPGroup:
-    """rank: in the group; local_rank: on its node (its GPU's index; None: rank, one node)."""
+    """rank: in the group; local_rank: on its node (its GPU's index; None: rank, one node).
+    (distributed/stages.py's StageGroup also makes groups of every rank of every stage of it.)"""
     def __init__(self, store: dist.Store, rank: int, size: int, device: str, local_rank: int | None = None):
         self.rank, self.size = rank, size
         self.local_rank = rank if local_rank is None else local_rank
