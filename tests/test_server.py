@@ -462,6 +462,23 @@ def test_bench_serving_reports_every_figure(server):
         assert report[name] > 0
     for metric in ("ttft", "tpot"):
         assert 0 < report[f"{metric}_p50_ms"] <= report[f"{metric}_p90_ms"] <= report[f"{metric}_p99_ms"]
+    assert report["prompt_tokens"] == 12 * 20 and report["cached_prompt_tokens"] == 0  # (random prompts)
+
+
+def test_bench_serving_shared_prefix_workload_counts_the_prefix_cache_hits(server):
+    """8 prompts over 2 shared prefixes of 48 tokens (3 blocks of 16): every request after the first
+    of its group that arrives once that one's blocks are in the cache finds its prefix (--seed 1: none
+    of the other tests' prompts, drawn with seed 0, starts alike)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--base-url", server.url,
+                          "--api-key", KEY, "--num-requests", "8", "--request-rate", "20", "--input-len", "5",
+                          "--output-len", "4", "--shared-prefix-groups", "2", "--shared-prefix-len", "48", "--seed", "1",
+                          "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["completed"] == 8 and report["prompt_tokens"] == 8 * 53
+    assert 48 <= report["cached_prompt_tokens"] <= 6 * 48 and report["cached_prompt_tokens"] % 16 == 0
+    assert report["prefix_cache_hit_rate"] == report["cached_prompt_tokens"] / report["prompt_tokens"]
 
 
 def test_chat_cli_two_turns_the_second_from_the_cache(chat_model):
