@@ -1,6 +1,6 @@
 """The tensor-parallel group the layers being built see (utils/tp_group.py's TPGroup; None: one rank).
 Layers read it through tp_rank() / tp_size() / tp_group() when built inside `tensor_parallel(group)`.
-A pipeline stage's model is built inside distributed/pipeline.py's pipeline_stage(layers) too."""
+A pipeline stage's model is built inside distributed/stages.py's pipeline_stage(layers) too."""
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
