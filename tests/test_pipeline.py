@@ -173,6 +173,31 @@ def test_pipeline_server_answers_as_one_stage_and_ends_its_ranks(model_dir, tmp_
     assert ranks and wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in ranks), timeout=15)
 
 
+def test_the_gpu_warmup_runs_each_stage_alone_then_the_engine_is_exact(model_dir, prompts, reference):
+    """gpu_memory.warmup (the largest step, which sizes the KV cache on CUDA) runs on every rank:
+    each stage's layers on made-up inputs (warmup_logits), the LM head and sampler on the first.
+    On CPU it is not part of start-up: run by hand here, then the engine must still be exact."""
+    from nanovllm.engine.gpu_memory import warmup
+    with LLM(model_dir, pipeline_parallel_size=2, max_model_len=128, max_num_batched_tokens=300) as llm:
+        llm.model_runner.workers.call(warmup)
+        warmup(llm.model_runner)
+        assert_greedy_matches_hf(llm, model_dir, prompts[:4], reference, GREEDY)
+
+
+def test_a_dead_stage_is_a_clear_error_and_shutdown_ends_the_rest(model_dir, prompts):
+    import signal
+    import time
+    before = set(child_pids())
+    llm = LLM(model_dir, pipeline_parallel_size=2, max_model_len=200)
+    [stage1] = set(child_pids()) - before
+    os.kill(stage1, signal.SIGKILL)
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError, match="worker rank 1 .* has died"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert set(child_pids()) <= before
+
+
 @pytest.mark.parametrize("options, error, message", [
     (dict(pipeline_parallel_size=3), ValueError, r"pipeline_parallel_size=3 is more than the model's "
                                                  r"num_hidden_layers=2"),
