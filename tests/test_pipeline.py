@@ -55,6 +55,14 @@ def test_pp3_with_a_middle_stage_and_tied_embeddings_matches_hf(five_layer_dir, 
                                                              for n in names)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "llama"])
+def test_pp2_of_other_families_matches_hf(tmp_path_factory, arch, prompts, reference):
+    """Mixtures of experts (the first stage's share weighed by the experts a token visits) and Llama."""
+    path = build_model(str(tmp_path_factory.mktemp(f"pp_{arch}")), arch=arch, seed=7)
+    with LLM(path, pipeline_parallel_size=2, max_model_len=400, max_num_batched_tokens=128) as llm:
+        assert_greedy_matches_hf(llm, path, prompts[:5], reference, GREEDY)
+
+
 def test_pp2_overlapped_equals_pp1_synchronous_on_a_mixed_workload(model_dir):
     """(test_tensor_parallel's mixed workload) through two stages' micro-batches."""
     assert_mixed_workload_equals_one_rank_synchronous(model_dir, pipeline_parallel_size=2)
@@ -102,6 +110,13 @@ def test_layers_of_stage_cover_every_layer_once_the_first_lighter_by_the_lm_head
                          num_attention_heads=16, num_key_value_heads=8, head_dim=128)
     assert round(head_cost_in_layers(config), 1) == 9.9
     assert [layers_of_stage(28, 2, s, head_cost_in_layers(config)) for s in (0, 1)] == [range(0, 9), range(9, 28)]
+    # mixtures of experts: the experts a token visits (Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size)
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    moe = dict(vocab_size=32000, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    mixtral = MixtralConfig(intermediate_size=14336, num_experts_per_tok=2, **moe)
+    qwen3_moe = Qwen3MoeConfig(intermediate_size=99999, moe_intermediate_size=7168, num_experts_per_tok=4, **moe)
+    assert head_cost_in_layers(mixtral) == pytest.approx(32000 / (128 * 80 + 6 * 14336))  # (hidden cancels)
+    assert head_cost_in_layers(qwen3_moe) == pytest.approx(head_cost_in_layers(mixtral))
 
 
 def batch(num_new, **extra):

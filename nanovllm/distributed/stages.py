@@ -70,8 +70,9 @@ def head_cost_in_layers(hf_config) -> float:
     c = hf_config
     hidden, heads, kv_heads = c.hidden_size, c.num_attention_heads, num_kv_heads_of(c)
     attention = hidden * head_dim_of(c) * (2 * heads + 2 * kv_heads)
-    top_k = getattr(c, "num_experts_per_tok", None)
-    mlp = 3 * hidden * (c.moe_intermediate_size * top_k if top_k else c.intermediate_size)
+    top_k = getattr(c, "num_experts_per_tok", None)  # (MoE; Mixtral's experts are intermediate_size wide)
+    expert = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    mlp = 3 * hidden * (expert * top_k if top_k else c.intermediate_size)
     return c.vocab_size * hidden / (attention + mlp)
 
 
