@@ -159,9 +159,12 @@ def test_garbage_collection_ends_workers(model_dir):
     assert set(child_pids()) <= before
 
 
-def test_dead_worker_is_a_clear_error(model_dir, prompts):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_dead_worker_is_a_clear_error(model_dir, prompts, parallel):
+    """(pp2: the other stage's process is the one killed)"""
     before = set(child_pids())
-    llm = LLM(model_dir, tensor_parallel_size=2, max_model_len=200)
+    llm = LLM(model_dir, max_model_len=200, **parallel)
     [worker] = set(child_pids()) - before
     os.kill(worker, signal.SIGKILL)
     time.sleep(0.5)
