@@ -60,18 +60,12 @@ class PipelineRunner(ModelRunner):
         super()._load(config)
         self.use_graphs = False  # (no CUDA graphs: the module docstring's limits; gpu_memory.py reads it)
 
-    def _capture(self, config):
-        self.graphs = None  # (no CUDA graphs: the module docstring's limits)
-
     def _keep_sampled(self, tokens: torch.Tensor, inputs: StepInputs):
-        """The first stage's ranks keep the sampled tokens (rank 0 broadcasts them over the stage);
+        """The first stage's ranks keep the sampled tokens (StageGroup.broadcast: over the stage);
         the other stages never read the token table's tokens (the input ids prepare() gathers
         there go unused: they start from the hidden states they receive)."""
         if self.group.first:
-            if self.group.tp is not None:
-                self.group.tp.broadcast(tokens)
-            rows, positions = inputs.sampled_at
-            self.token_table[rows, positions] = tokens.to(torch.int32)
+            super()._keep_sampled(tokens, inputs)
 
     def warmup_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """(gpu_memory.warmup) This stage alone on made-up inputs: its peak, and the logits on the first."""

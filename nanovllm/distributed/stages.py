@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.engine.step_batch import StepBatch
+from nanovllm.layers.transformer import head_dim_of, num_kv_heads_of
 from nanovllm.utils import parallel
 from nanovllm.utils.parallel import HeldElsewhere
 from nanovllm.utils.tp_group import TPGroup
@@ -66,7 +67,6 @@ def head_cost_in_layers(hf_config) -> float:
     """The LM head's multiply-adds a token (vocab x hidden) over a decoder layer's linear layers'
     (q, k, v, o and the MLP, or the experts a token goes to): the layers of work the LM head is in
     a decode step (attention's own, which grows with the context, left out)."""
-    from nanovllm.layers.transformer import head_dim_of, num_kv_heads_of
     c = hf_config
     hidden, heads, kv_heads = c.hidden_size, c.num_attention_heads, num_kv_heads_of(c)
     attention = hidden * head_dim_of(c) * (2 * heads + 2 * kv_heads)
@@ -116,6 +116,11 @@ class StageGroup:
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `t` on rank 0 (None elsewhere)."""
         return self.world.gather(t)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank of the first stage (ModelRunner._keep_sampled's tokens; the
+        other stages never call it)."""
+        return self.tp.broadcast(t) if self.tp is not None else t
 
     def send(self, t: torch.Tensor, tag: int, back: bool = False):
         """`t` to this rank's peer on the next stage (back: the last stage's to the first); the

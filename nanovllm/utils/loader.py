@@ -63,8 +63,9 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
+    elsewhere = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, HeldElsewhere))
     for file in progress(files, "Loading safetensors shards", enabled=show_progress, unit="shard"):
-        load_file(model, file, params, loaded, unexpected)
+        load_file(model, file, params, elsewhere, loaded, unexpected)
     if unexpected:
         raise ValueError(f"checkpoint in {path!r} has tensors this model does not use: {unexpected[:5]}"
                          f"{' and more' if len(unexpected) > 5 else ''}; is config.json right for these weights?")
@@ -79,13 +80,12 @@ def load_model(model: nn.Module, path: str, show_progress: bool = True):
     process_weights_after_loading(model)
 
 
-def load_file(model: nn.Module, file: str, params: dict, loaded: set[str], unexpected: list[str]):
+def load_file(model: nn.Module, file: str, params: dict, elsewhere: tuple, loaded: set[str], unexpected: list[str]):
     """One safetensors file's tensors into their parameters, noted in `loaded` (those with none: `unexpected`)."""
     try:
         f = safe_open(file, "pt", "cpu")
     except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors, unreadable
         raise ValueError(f"cannot read weights file {file!r}: {e}") from e
-    elsewhere = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, HeldElsewhere))
     with f:
         for name in f.keys():
             target, shard_id = model.checkpoint_target(name)
