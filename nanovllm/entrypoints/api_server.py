@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.engine.llm_engine import PromptTooLong
+from nanovllm.engine.frontend import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args
 from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDead, QueueFull, ShuttingDown, TooLarge,
                                                updates)
