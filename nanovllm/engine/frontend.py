@@ -1,8 +1,7 @@
 """The request side of the engine, which needs no model: the tokenizer, prompts as checked token ids
-(chat templates rendered), each request's checks against the configuration, and the grammar
-compiler of structured outputs. LLMEngine is a Frontend with a scheduler, block manager and model
-runner behind it; every method here reads only the configuration and the tokenizer, so any thread
-(the server's tokenizer threads) may call it, and a front with no model of its own can be one."""
+(chat templates rendered), each request's checks against the configuration, and structured outputs'
+grammar compiler. LLMEngine is a Frontend with a scheduler, block manager and model runner behind it;
+a front of data-parallel replicas, one with no model. Any thread (the server's) may call it."""
 import json
 import operator
 import os
@@ -136,6 +135,7 @@ class Frontend:
         if sampling_params.stop_strings and self.tokenizer is None:
             raise ValueError(f"SamplingParams.stop needs a tokenizer, and {self.config.model!r} has none; "
                              "use stop_token_ids")
+
     def grammar_compiler(self):
         """The engine's grammar compiler (structured_outputs.Grammars), made at the first constraint."""
         if self.tokenizer is None:
