@@ -1,7 +1,7 @@
 """The request side of the engine, which needs no model: the tokenizer, prompts as checked token ids
 (chat templates rendered), each request's checks against the configuration, and structured outputs'
 grammar compiler. LLMEngine is a Frontend with a scheduler, block manager and model runner behind it;
-a front of data-parallel replicas, one with no model. Any thread (the server's) may call it."""
+a front with no model (of data-parallel replicas) can be one. Any thread (the server's) may call it."""
 import json
 import operator
 import os

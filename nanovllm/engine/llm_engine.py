@@ -36,7 +36,6 @@ class LLMEngine(Frontend):
 
     def __init__(self, config: Config):
         super().__init__(config)  # the tokenizer and the request checks
-        eos = self.eos_token_ids
         runner_class, scheduler_class = ModelRunner, Scheduler
         if config.speculative is not None:  # the scheduler that plans drafts; the runner that verifies them
             from nanovllm.features.speculative.runner import SpeculativeRunner  # (a layer: loaded when asked for)
@@ -52,7 +51,7 @@ class LLMEngine(Frontend):
         self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)
-        self.scheduler = scheduler_class(config, self.block_manager, eos)
+        self.scheduler = scheduler_class(config, self.block_manager, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._seed_rng = random.Random()  # seeds for requests that bring none
         self.in_flight: InFlightStep | None = None  # overlap scheduling: the step launched, not yet accounted for
