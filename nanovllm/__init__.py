@@ -1,6 +1,11 @@
-from nanovllm import sampling_params
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
+"""nanovllm's public names, loaded at first use (PEP 562): `import nanovllm.layers...` loads no engine."""
+import importlib
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
-__getattr__ = sampling_params.__getattr__  # StructuredOutputsParams, loaded at its first use (PEP 562)
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        return importlib.import_module("nanovllm.llm").LLM
+    sampling_params = importlib.import_module("nanovllm.sampling_params")  # (and its own __getattr__)
+    return getattr(sampling_params, name) if name in __all__ else sampling_params.__getattr__(name)

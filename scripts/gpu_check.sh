@@ -2,14 +2,15 @@
 # Everything the lent GPU machine should run, in one try: every step runs whatever an earlier one
 # did, each in a time box, and the log ends with one verdict line per step (PASS, FAIL, TIME or
 # SKIP, with its seconds). The boxes are the STEPS table below and add up to at most MAX_BOXES_S
-# (360 s: 6 minutes, so a second try still fits in a 15-minute device session);
+# (480 s: 8 minutes; with the machine's start, about 9 of a 15-minute device session, which leaves
+# a second try of the steps that failed, GPU_CHECK_STEPS="fn ...", time enough);
 # `bash scripts/gpu_check.sh --plan` prints them with their sum and exits (tests/test_gpu_check.py).
 #
 #   0. a warm-up: the steps below that build an engine or run a kernel, all at once, each small (16
 #      tokens out, a small KV cache, one timed iteration): their Triton compiles fill the cache here,
 #      in parallel, not in the timed boxes one after another (one it misses still compiles in its step),
 #   1. the gpu-marked tests, then the Triton kernel tests (attention, MoE, quantized GEMMs, fused
-#      elementwise kernels; compiled, on GPU tensors; in 4 processes with pytest-xdist where it is
+#      elementwise kernels; compiled, on GPU tensors; in 8 processes with pytest-xdist where it is
 #      there, so that cold compiles overlap); neither stops at a failure, and each test has its own
 #      time limit (pytest-timeout, else faulthandler_timeout),
 #   2. the tests that failed there (up to 3; not those that ran out of time) once more, with
@@ -42,36 +43,40 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # (COLUMNS: pytest cuts its summary lines to the terminal's width, a time-out's reason with them)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 COLUMNS=400
-MAX_BOXES_S=360
+MAX_BOXES_S=480
 MIN_STEP_S=5           # less than this left: skip the step rather than start it to be killed at once
 KILL_AFTER_S=10        # after the SIGINT of a time box: enough for pytest's summary, not for a hang
 TEST_TIMEOUT_S=30      # each test's own limit
 MAX_RERUNS=3
 
 # ---- the steps: box (s), function, name --------------------------------------------------------
-# (estimates: no step has run on a GPU yet; a step's verdict TIME says which box to widen)
+# The first try (H200, 2026-12-04, 360 s of boxes) ran out of time in most steps: a python3 there
+# took about 9 s to import torch and transformers' tokenizer code (which pulls in scikit-learn and
+# scipy there; nanovllm now imports it only for a model that ships a tokenizer), and the gpu-marked
+# tests (59) reached the 12th in 45 s. These boxes are that run's times with the import left in;
+# the header prints what the imports cost now. A step's verdict TIME says which box to widen.
 STEPS=(
   "45 warm_up warm-up: the steps below at once, small (Triton compiles)"
-  "45 gpu_tests gpu-marked tests"
-  "38 kernel_tests Triton kernel tests on the GPU"
+  "90 gpu_tests gpu-marked tests"
+  "50 kernel_tests Triton kernel tests on the GPU"
   "15 rerun_failures failed tests again, CUDA_LAUNCH_BLOCKING=1"
-  "12 decode_kernel decode kernel micro-benchmark, and a verify step's (vs reference, graph vs eager)"
-  "10 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
-  "42 bench_hf bench.py default workload vs HF"
-  "22 bench_sync bench.py default workload, synchronous loop"
+  "18 decode_kernel decode kernel micro-benchmark, and a verify step's (vs reference, graph vs eager)"
+  "12 count_kernels kernels per Qwen3-0.6B decoder layer in a decode step (at most 15)"
+  "45 bench_hf bench.py default workload vs HF"
+  "25 bench_sync bench.py default workload, synchronous loop"
   "32 bench_moe bench.py qwen3-30b-a3b (MoE, CUDA graphs)"
-  "8 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
-  "8 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
-  "8 batch1_draft bench.py batch-1, draft model = target (k=4)"
-  "6 quant_gemm quantized GEMM micro-benchmark"
-  "6 fp8_kv_decode decode kernel micro-benchmark, fp8 KV cache"
-  "9 quant_bf16 bench.py short workload, bf16 (the probe's reference)"
-  "9 quant_fp8 bench.py short workload, quantization=fp8 (online), probe vs bf16"
-  "9 quant_fp8_block bench.py short workload, FP8 block checkpoint, probe vs bf16"
-  "9 quant_awq bench.py short workload, AWQ checkpoint, probe vs bf16"
-  "9 quant_fp8_kv bench.py short workload, fp8 KV cache, probe vs bf16"
-  "10 multiturn bench_multiturn.py qwen3-0.6b, host tier off and on"
-  "8 pipeline bench.py 256 short requests over 2 pipeline stages: each stage's busy share (2 GPUs; SKIP on one)"
+  "13 batch1_plain bench.py batch-1 greedy decode, repetitive prompt"
+  "13 batch1_ngram bench.py batch-1, n-gram speculation (k=4)"
+  "13 batch1_draft bench.py batch-1, draft model = target (k=4)"
+  "10 quant_gemm quantized GEMM micro-benchmark"
+  "10 fp8_kv_decode decode kernel micro-benchmark, fp8 KV cache"
+  "13 quant_bf16 bench.py short workload, bf16 (the probe's reference)"
+  "13 quant_fp8 bench.py short workload, quantization=fp8 (online), probe vs bf16"
+  "13 quant_fp8_block bench.py short workload, FP8 block checkpoint, probe vs bf16"
+  "13 quant_awq bench.py short workload, AWQ checkpoint, probe vs bf16"
+  "13 quant_fp8_kv bench.py short workload, fp8 KV cache, probe vs bf16"
+  "18 multiturn bench_multiturn.py qwen3-0.6b, host tier off and on"
+  "6 pipeline bench.py 256 short requests over 2 pipeline stages: each stage's busy share (2 GPUs; SKIP on one)"
 )
 BOXES_S=0
 for entry in "${STEPS[@]}"; do BOXES_S=$((BOXES_S + ${entry%% *})); done
@@ -94,7 +99,7 @@ else  # (dumps every thread's traceback at the limit; the box still ends the ste
   PYTEST+=(-o "faulthandler_timeout=$TEST_TIMEOUT_S")
 fi
 XDIST=()
-python3 -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
 BATCH1=(--num-seqs 1 --min-input-len 512 --max-input-len 512 --min-output-len 256 --max-output-len 256 --repetitive
         --temperature 0 --json)
 QUANT=(--num-seqs 64 --max-input-len 512 --max-output-len 128 --json)
@@ -268,6 +273,10 @@ print("python", sys.version.split()[0], *(f"{m} {getattr(importlib.import_module
       if importlib.util.find_spec(m) else f"{m} missing"
       for m in ("torch", "triton", "transformers", "pytest_timeout", "xdist")))
 EOF
+# what each step's python3 pays before it starts (most of the first try's boxes went to it)
+python3 -c 'import time; t = time.perf_counter(); import torch; a = time.perf_counter(); import nanovllm.llm
+b = time.perf_counter(); from transformers import AutoTokenizer; c = time.perf_counter()
+print(f"import: torch {a - t:.1f} s, then nanovllm.llm {b - a:.1f} s, then transformers.AutoTokenizer {c - b:.1f} s")'
 for entry in "${STEPS[@]}"; do
   read -r box fn name <<<"$entry"
   # GPU_CHECK_STEPS="fn ...": those steps alone (a dry run of the script, tests/test_gpu_check.py)

@@ -15,9 +15,12 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 GPU_BACKENDS = [b for b in ("triton", "flash_attn") if importlib.util.find_spec(b) is not None]
-# bf16 changes logits by ~1e-2 relative, enough to flip near-ties of a random model: we require
-# the first greedy token of every prompt to match Hugging Face's (bf16, same device) and, on
-# average, at least 60% of the first 16 tokens to agree before the first divergence.
+# bf16 changes logits by ~1e-2 relative, enough to flip near-ties of a random model (and another
+# attention kernel rounds differently from Hugging Face's SDPA): the first greedy token of every
+# prompt must be Hugging Face's (bf16, same device) or, where it is not, a near-tie there, within
+# NEAR_TIE of the largest |logit| of Hugging Face's first token; and, on average, at least 60% of the
+# first 16 tokens agree before the first divergence.
+NEAR_TIE = 0.02
 MIN_MEAN_AGREEMENT = 0.6
 
 
@@ -30,12 +33,24 @@ def agreement(a, b):
 
 @torch.inference_mode()
 def hf_bf16_greedy(path, prompt, n):
+    """Hugging Face's greedy tokens, and the logits of its first one (float32)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([prompt], device="cuda")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), out.logits[0][0].float()
+
+
+def first_tokens_off_hf(outputs, refs):
+    """(prompt, ours, HF's, HF's logit gap between them, the gap allowed) where the first tokens differ."""
+    off = []
+    for i, (o, (tokens, logits)) in enumerate(zip(outputs, refs)):
+        ours, theirs = o["token_ids"][0], tokens[0]
+        if ours != theirs:
+            off.append((i, ours, theirs, round((logits[theirs] - logits[ours]).item(), 4),
+                        round(NEAR_TIE * logits.abs().max().item(), 4)))
+    return off
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS + ["torch"])
@@ -44,9 +59,10 @@ def test_bf16_greedy_close_to_hf(model_dir, prompts, backend):
               gpu_memory_utilization=0.3)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     refs = [hf_bf16_greedy(model_dir, p, 16) for p in prompts]
-    scores = [agreement(o["token_ids"], r) for o, r in zip(outputs, refs)]
-    assert all(o["token_ids"][0] == r[0] for o, r in zip(outputs, refs))
-    assert sum(scores) / len(scores) >= MIN_MEAN_AGREEMENT, scores
+    scores = [agreement(o["token_ids"], r) for o, (r, _) in zip(outputs, refs)]
+    off = first_tokens_off_hf(outputs, refs)
+    assert all(gap <= allowed for *_, gap, allowed in off), f"(prompt, ours, HF's, gap, allowed): {off}"
+    assert sum(scores) / len(scores) >= MIN_MEAN_AGREEMENT, (scores, off)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
 
 
@@ -258,9 +274,10 @@ def test_moe_on_the_gpu(tmp_path, prompts):
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
     refs = [hf_bf16_greedy(path, p, 16) for p in prompts]
-    assert all(o[0] == r[0] for o, r in zip(outs[True], refs))
-    scores = [agreement(o, r) for o, r in zip(outs[True], refs)]
-    assert sum(scores) / len(scores) >= MIN_MEAN_AGREEMENT, scores
+    off = first_tokens_off_hf([{"token_ids": o} for o in outs[True]], refs)
+    assert all(gap <= allowed for *_, gap, allowed in off), f"(prompt, ours, HF's, gap, allowed): {off}"
+    scores = [agreement(o, r) for o, (r, _) in zip(outs[True], refs)]
+    assert sum(scores) / len(scores) >= MIN_MEAN_AGREEMENT, (scores, off)
 
 
 # A quantized model's GEMMs on the GPU (torch._scaled_mm, the Triton block-FP8 and AWQ kernels)

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh, run here without a GPU: its time boxes add up to at most 6 minutes, a
+"""scripts/gpu_check.sh, run here without a GPU: its time boxes add up to at most 8 minutes, a
 step that fails does not stop the ones after it, every step ends with a verdict in the summary, and
 only the tests that really failed (not those that ran out of time) are run again."""
 import json
@@ -23,12 +23,12 @@ def gpu_check(root: str, tmp_path, *args: str, steps: str | None = None) -> subp
                           capture_output=True, text=True, timeout=300)
 
 
-def test_the_boxes_add_up_to_at_most_six_minutes(tmp_path):
+def test_the_boxes_add_up_to_at_most_eight_minutes(tmp_path):
     out = gpu_check(ROOT, tmp_path, "--plan")
     assert out.returncode == 0, out.stdout + out.stderr
     boxes = [int(m.group(1)) for m in re.finditer(r"^ *(\d+) s  (?!in all)", out.stdout, re.M)]
-    total = int(re.search(r"^ *(\d+) s  in all \(at most 360\)$", out.stdout, re.M).group(1))
-    assert len(boxes) >= 15 and sum(boxes) == total <= 360, out.stdout
+    total = int(re.search(r"^ *(\d+) s  in all \(at most 480\)$", out.stdout, re.M).group(1))
+    assert len(boxes) >= 15 and sum(boxes) == total <= 480, out.stdout
     script = open(SCRIPT).read()
     assert not re.search(r"pytest[^\n]*\s-x\b", script), "a pytest step must not stop at its first failure"
 

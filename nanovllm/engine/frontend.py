@@ -7,7 +7,6 @@ import operator
 import os
 import threading
 
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -30,6 +29,7 @@ def load_tokenizer(path: str):
                     json.load(f)
             except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 raise ValueError(f"tokenizer file {file!r} is not valid JSON: {e}") from e
+    from transformers import AutoTokenizer  # (a heavy import: only for a model that ships a tokenizer)
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # tokenizers raises plain Exception for a tokenizer.json it cannot parse
