@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from nanovllm.distributed.router import ROUTINGS
 from nanovllm.entrypoints.args import add_llm_arguments
 from nanovllm.entrypoints.chat import chat
 from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                               help="the level of nanovllm's log (on stderr) and of uvicorn's")
     serve_parser.add_argument("--disable-log-requests", action="store_true",
                               help="no access-log line per HTTP request (uvicorn's access log)")
+    serve_parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                              help="N replicas of the whole engine, each a process on its own "
+                                   "tensor_parallel_size x pipeline_parallel_size GPUs, behind this server")
+    serve_parser.add_argument("--data-parallel-routing", choices=ROUTINGS, default="prefix",
+                              help="which replica runs a prompt: prefix (where its leading blocks went before, "
+                                   "unless that replica is a batch busier than the least busy) or round_robin")
     serve_parser.add_argument("--headless", action="store_true",
                               help="one of the other nodes of a multi-node engine (--nnodes, --node-rank >= 1, "
                                    "--master-addr, --master-port): run this node's ranks only, serve nothing")
@@ -84,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise SystemExit(f"nanovllm serve: --max-queued-requests must be >= 1, got {args.max_queued_requests}")
+        if args.data_parallel_size < 1:
+            raise SystemExit(f"nanovllm serve: --data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.data_parallel_size > 1 and args.nnodes > 1:
+            raise SystemExit("nanovllm serve: --data-parallel-size > 1 runs on one node; --nnodes > 1 is for "
+                             "tensor or pipeline parallelism over nodes")
         if args.max_request_bytes < 1:
             raise SystemExit(f"nanovllm serve: --max-request-bytes must be >= 1, got {args.max_request_bytes}")
         try:  # imported here, not at the top: the server needs the optional `serve` extra (FastAPI, uvicorn)

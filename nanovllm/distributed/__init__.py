@@ -7,8 +7,11 @@
   pipeline.py   pipeline parallelism: PipelineRunner runs one stage's layers, micro-batch by
                 micro-batch, hidden states passed point to point; stages.py: its groups, layer
                 split, micro-batches and clock (and Config's checks of it).
+  data_parallel.py  replicas of the whole engine, each a process, behind one front that the
+                server calls (`nanovllm serve --data-parallel-size N`); router.py: which replica
+                runs a prompt (by its prefix, or round robin).
 
 Entered through engine/workers.py's start_workers (nnodes > 1) and make_group (stages.py), the
-engine's choice of runner (pipeline_parallel_size > 1) and Config's checks of the options; a
-single-GPU engine imports none of it.
+engine's choice of runner (pipeline_parallel_size > 1), Config's checks of the options and the
+server's choice of engine (data parallelism); a single-GPU engine imports none of it.
 """

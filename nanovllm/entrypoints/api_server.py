@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.frontend import PromptTooLong
-from nanovllm.entrypoints.args import llm_from_args
+from nanovllm.entrypoints.args import llm_from_args, options_from_args
 from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDead, QueueFull, ShuttingDown, TooLarge,
                                                updates)
 from nanovllm.features.structured_outputs import grammar_threads, import_xgrammar
@@ -693,9 +693,13 @@ def serve(args) -> int:
         # On CPU, leave a core to the event loop: torch's intra-op threads spin-wait, and fighting
         # them for every core slows the engine several times over.
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))
-    llm = llm_from_args(args)
     metrics = None if args.no_metrics else ServingMetrics()
-    engine = AsyncEngine(llm, args.max_queued_requests, metrics)
+    if args.data_parallel_size > 1:  # (replicas of the engine, each a process: distributed/data_parallel.py)
+        from nanovllm.distributed.data_parallel import DataParallelEngine
+        engine = DataParallelEngine(args.model, options_from_args(args), args.data_parallel_size,
+                                    args.data_parallel_routing, args.max_queued_requests, metrics)
+    else:
+        engine = AsyncEngine(llm_from_args(args), args.max_queued_requests, metrics)
     name = args.served_model_name or args.model
     gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes, args.tool_call_parser,
                      args.reasoning_parser)

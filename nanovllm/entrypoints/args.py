@@ -33,11 +33,16 @@ def add_llm_arguments(parser: argparse.ArgumentParser):
                                help=f"default: {default}")
 
 
+def options_from_args(args: argparse.Namespace) -> dict:
+    """The LLM(...) options the parsed flags give (every one of them)."""
+    return {name: getattr(args, name) for name, _, _ in llm_options()}
+
+
 def llm_from_args(args: argparse.Namespace) -> LLM:
     """The engine the parsed flags describe (args.model and every LLM option)."""
-    return LLM(args.model, **{name: getattr(args, name) for name, _, _ in llm_options()})
+    return LLM(args.model, **options_from_args(args))
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The Config the parsed flags describe, without an engine (a headless node's)."""
-    return Config.from_options(args.model, {name: getattr(args, name) for name, _, _ in llm_options()})
+    return Config.from_options(args.model, options_from_args(args))

@@ -22,6 +22,7 @@ from queue import Empty, SimpleQueue
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from nanovllm.engine.frontend import Frontend
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
 from nanovllm.features.structured_outputs import COMPILE_TIMEOUT_S, POLL_S, overdue
@@ -36,7 +37,7 @@ class EngineMetrics(Protocol):
     """What the engine thread reports as it goes (entrypoints/metrics.py keeps Prometheus metrics)."""
     def request_added(self, num_prompt_tokens: int): ...
     def tokens_generated(self, num_tokens: int): ...
-    def sequence_finished(self, seq: Sequence): ...
+    def sequence_finished(self, metrics: dict): ...  # (Sequence.metrics(): picklable, for a replica's)
     def stepped(self, stats: dict): ...
 
 
@@ -131,31 +132,27 @@ async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
         yield index[id(request)], item
 
 
-class AsyncEngine:
-    """Runs `llm` on a thread of its own; `stats`: the engine's queues and KV usage, refreshed every step.
-    max_queued_requests caps the sequences waiting (each prompt counts n times), held ones included."""
+def check_queue_limit(limit: int | None, num_seqs: int, num_prompts: int, num_waiting: int):
+    """TooLarge or QueueFull for a call of num_seqs sequences while num_waiting wait (limit: --max-queued-requests)."""
+    if limit is not None and num_seqs > limit:
+        raise TooLarge(f"this call asks for {num_seqs} sequences ({num_prompts} prompt(s) x n), more than "
+                       f"the {limit} that --max-queued-requests lets wait: it could never be queued")
+    if limit is not None and num_waiting + num_seqs > limit:
+        raise QueueFull(f"{limit} sequences may wait (--max-queued-requests), and {num_waiting} are waiting already")
 
-    def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
-        if max_queued_requests is not None and max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
-        self.llm, self.max_queued_requests, self.metrics = llm, max_queued_requests, metrics
+
+class AsyncFront:
+    """What the server calls besides submitting and aborting, on the asyncio side of any engine (this
+    module's AsyncEngine, or distributed/data_parallel.py's replicas): `llm` is the Frontend (the
+    tokenizer, the checks of requests, the grammar compiler); `error` is set once nothing can run."""
+
+    def __init__(self, llm: Frontend):
+        self.llm = llm
         self.error: BaseException | None = None
         self.closing = False  # close() was called: new calls are refused
         self.grammar_timeout_s = COMPILE_TIMEOUT_S  # (a request's own compile; see grammar_job)
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanovllm-tokenizer")
-        self._commands: SimpleQueue[Command] = SimpleQueue()
-        self._num_submitted = 0  # sequences in Add commands not yet taken by the engine thread
-        self._lock = threading.Lock()
-        # the engine thread's:
-        self._held: deque[deque[Request]] = deque()  # calls with requests not in the engine yet, in turn
-        self._num_held = 0  # the sequences they will run
-        self._by_seq: dict[int, Request] = {}  # seq_id -> its request
-        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # updates of this step, per event loop
-        self.stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
-        self._thread = threading.Thread(target=self._loop, name="nanovllm-engine", daemon=True)
-        self._thread.start()
 
-    # ---- the asyncio side ---------------------------------------------------------------------
     async def encode(self, prompt) -> list[int]:
         """A prompt (a string, token ids, or a ChatPrompt) as checked token ids, on a tokenizer thread; a
         ValueError/TypeError names what is wrong."""
@@ -166,31 +163,8 @@ class AsyncEngine:
             prompt = self.llm.render_chat(prompt.messages, prompt.tools, prompt.template_kwargs)
         return self.llm.encode_prompt(prompt)
 
-    def submit_all(self, prompt_token_ids: list[list[int]], params: list[SamplingParams],
-                   stream: bool = False) -> list[Request]:
-        """Check and queue the prompts of one call (token ids, from encode()), all or none; read their
-        updates with `updates()`. stream: updates as tokens come (else one per sample, at its end). Raises
-        the engine's ValueError/TypeError for a bad request, or TooLarge, QueueFull, ShuttingDown, EngineDead."""
-        for ids, p in zip(prompt_token_ids, params, strict=True):
-            self.llm.check_request(len(ids), p)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        requests = [Request(ids, p, stream, queue, loop) for ids, p in zip(prompt_token_ids, params)]
-        num_seqs = sum(p.n for p in params)
-        with self._lock:  # (the engine thread sets error, and drains the commands, under it)
-            self.check_open()
-            limit = self.max_queued_requests
-            if limit is not None and num_seqs > limit:
-                raise TooLarge(f"this call asks for {num_seqs} sequences ({len(requests)} prompt(s) x n), more than "
-                               f"the {limit} that --max-queued-requests lets wait: it could never be queued")
-            if limit is not None and self._num_submitted + self.stats["num_waiting"] + num_seqs > limit:
-                raise QueueFull(f"{limit} sequences may wait (--max-queued-requests), and "
-                                f"{self._num_submitted + self.stats['num_waiting']} are waiting already")
-            self._num_submitted += num_seqs
-            self._commands.put(Add(requests))
-        return requests
-
     async def submit(self, prompt, params: SamplingParams, stream: bool = False) -> Request:
-        """encode() and submit_all() for one prompt."""
+        """encode() and the subclass's submit_all() for one prompt."""
         return self.submit_all([await self.encode(prompt)], [params], stream)[0]
 
     async def compile_grammar(self, params: SamplingParams):
@@ -222,6 +196,47 @@ class AsyncEngine:
             raise EngineDead(f"the engine has failed: {self.error!r}")
         if self.closing:
             raise ShuttingDown("the server is shutting down")
+
+
+class AsyncEngine(AsyncFront):
+    """Runs `llm` on a thread of its own; `stats`: the engine's queues and KV usage, refreshed every step.
+    max_queued_requests caps the sequences waiting (each prompt counts n times), held ones included."""
+
+    def __init__(self, llm: LLMEngine, max_queued_requests: int | None = None, metrics: EngineMetrics | None = None):
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None, got {max_queued_requests}")
+        super().__init__(llm)
+        self.max_queued_requests, self.metrics = max_queued_requests, metrics
+        self._commands: SimpleQueue[Command] = SimpleQueue()
+        self._num_submitted = 0  # sequences in Add commands not yet taken by the engine thread
+        self._lock = threading.Lock()
+        # the engine thread's:
+        self._held: deque[deque[Request]] = deque()  # calls with requests not in the engine yet, in turn
+        self._num_held = 0  # the sequences they will run
+        self._by_seq: dict[int, Request] = {}  # seq_id -> its request
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # updates of this step, per event loop
+        self.stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+        self._thread = threading.Thread(target=self._loop, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the asyncio side ---------------------------------------------------------------------
+    def submit_all(self, prompt_token_ids: list[list[int]], params: list[SamplingParams],
+                   stream: bool = False) -> list[Request]:
+        """Check and queue the prompts of one call (token ids, from encode()), all or none; read their
+        updates with `updates()`. stream: updates as tokens come (else one per sample, at its end). Raises
+        the engine's ValueError/TypeError for a bad request, or TooLarge, QueueFull, ShuttingDown, EngineDead."""
+        for ids, p in zip(prompt_token_ids, params, strict=True):
+            self.llm.check_request(len(ids), p)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        requests = [Request(ids, p, stream, queue, loop) for ids, p in zip(prompt_token_ids, params)]
+        num_seqs = sum(p.n for p in params)
+        with self._lock:  # (the engine thread sets error, and drains the commands, under it)
+            self.check_open()
+            check_queue_limit(self.max_queued_requests, num_seqs, len(requests),
+                              self._num_submitted + self.stats["num_waiting"])
+            self._num_submitted += num_seqs
+            self._commands.put(Add(requests))
+        return requests
 
     def abort(self, request: Request):
         """End the request's unfinished samples and free their blocks (any thread; idempotent)."""
@@ -378,7 +393,7 @@ class AsyncEngine:
         if update["finished"]:
             del self._by_seq[seq.seq_id]
             if self.metrics is not None:
-                self.metrics.sequence_finished(seq)
+                self.metrics.sequence_finished(seq.metrics())
         self._outbox.setdefault(request.loop, []).append((request, update))
 
     def _flush(self):

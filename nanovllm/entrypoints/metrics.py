@@ -2,7 +2,6 @@
 fed by the engine thread as it steps (prometheus-client is thread-safe)."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from nanovllm.engine.sequence import Sequence
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
@@ -64,8 +63,8 @@ class ServingMetrics:
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
 
-    def sequence_finished(self, seq: Sequence):
-        m = seq.metrics()
+    def sequence_finished(self, m: dict):
+        """A sequence's Sequence.metrics()."""
         if m["ttft_s"] is not None:
             self.ttft.observe(m["ttft_s"])
         if m["tpot_s"] is not None:

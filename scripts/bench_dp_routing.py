@@ -1,0 +1,78 @@
+"""Data-parallel routing: the same shared-prefix workload (bench_serving.py's) against two servers of
+--data-parallel-size replicas, one routing by prefix and one round robin; the prompt tokens each
+served from its prefix caches, and the ratio. Round robin sends every group's requests to every
+replica, so each replica's cache must hold every shared prefix; routing by prefix keeps a group on
+one replica, so the replicas' caches hold the groups between them: with caches that hold about half
+the prefixes (--num-kvcache-blocks), that is the difference between thrashing and hitting.
+
+    python scripts/bench_dp_routing.py                      # a tiny random model on CPU
+    python scripts/bench_dp_routing.py --model PATH --num-kvcache-blocks 0 --num-requests 400 \\
+        --shared-prefix-groups 32 --shared-prefix-len 2048  # a real model on GPUs (0: the sized cache)
+"""
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests")]
+
+import bench_serving  # noqa: E402
+from serving import Server  # noqa: E402  (tests/serving.py: a server subprocess on a free port)
+
+
+def serve_and_measure(args, routing: str, log_dir: str) -> dict:
+    flags = ["--data-parallel-size", str(args.data_parallel_size), "--data-parallel-routing", routing,
+             "--disable-log-requests"]
+    if args.num_kvcache_blocks:
+        flags += ["--num-kvcache-blocks", str(args.num_kvcache_blocks)]
+    server = Server(args.model, os.path.join(log_dir, f"{routing}.log"), *flags, max_model_len=args.max_model_len)
+    try:
+        load = argparse.Namespace(**{**vars(args), "base_url": server.url, "api_key": None, "model": None})
+        return asyncio.run(bench_serving.run(load))
+    finally:
+        server.stop(60)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a model folder (default: a tiny random model)")
+    p.add_argument("--data-parallel-size", type=int, default=2)
+    p.add_argument("--num-kvcache-blocks", type=int, default=80,
+                   help="each replica's KV blocks (default 80: about half of the default workload's prefixes)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--request-rate", type=float, default=16.0)
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--shared-prefix-groups", type=int, default=8)
+    p.add_argument("--shared-prefix-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            from nanovllm.utils.tiny_model import build_model
+            args.model = build_model(os.path.join(tmp, "model"))
+        reports = {routing: serve_and_measure(args, routing, tmp) for routing in ("round_robin", "prefix")}
+    cached = {routing: r["cached_prompt_tokens"] for routing, r in reports.items()}
+    result = {"cached_prompt_tokens": cached, "prompt_tokens": reports["prefix"]["prompt_tokens"],
+              "failed": {routing: r["failed"] for routing, r in reports.items()},
+              "prefix_over_round_robin": cached["prefix"] / max(1, cached["round_robin"]),
+              "ttft_p50_ms": {routing: r["ttft_p50_ms"] for routing, r in reports.items()},
+              "output_throughput": {routing: r["output_throughput"] for routing, r in reports.items()}}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for routing, r in reports.items():
+            print(f"{routing:>11}: {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens from the prefix "
+                  f"caches ({r['prefix_cache_hit_rate']:.1%}); TTFT p50 {r['ttft_p50_ms']:.1f} ms; "
+                  f"{r['output_throughput']:.1f} output tok/s; {r['failed']} failed")
+        print(f"prefix / round_robin cached tokens: {result['prefix_over_round_robin']:.2f}x")
+    return result
+
+
+if __name__ == "__main__":
+    main()
