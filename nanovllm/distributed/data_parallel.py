@@ -18,6 +18,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 
 import torch
@@ -31,6 +32,8 @@ from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# The stats that say how things are now (the live replicas' sum); the others are cumulative counts.
+NOW = ("num_running", "num_waiting", "kv_cache_usage", "num_host_blocks", "num_host_blocks_used")
 STOP_TIMEOUT_S = 30  # a replica told to stop gets this long (its engine's own shutdown) before it is killed
 
 
@@ -41,6 +44,7 @@ class ReplicaFailed(EngineDead):
 # ---- a replica, in its own process ---------------------------------------------------------------
 def replica_main(conn, model: str, options: dict, cuda_devices: str | None, num_threads: int | None):
     """A replica's process: its engine, then the front's commands until told to stop (or the front is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the whole process group: the front decides)
     if cuda_devices is not None:  # (before CUDA starts: this replica's GPUs are its cuda:0, cuda:1, ...)
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     if num_threads is not None:
@@ -171,6 +175,7 @@ class ReplicaHandle:
         self.stats: dict = {}  # its engine's last snapshot (AsyncEngine.stats)
         self.info: dict = {}  # from its ready message: num_blocks, block_size, max_num_seqs
         self.send_lock = threading.Lock()
+        self.reader: threading.Thread | None = None  # (the front's thread reading this replica's pipe)
 
     def send(self, message: tuple) -> bool:
         """Whether the message went (a dead replica's pipe is closed: its reader fails its requests)."""
@@ -204,8 +209,9 @@ class DataParallelEngine(AsyncFront):
         self.router = make_router(routing, size, info[0]["block_size"], [i["num_blocks"] for i in info],
                                   slack=info[0]["max_num_seqs"])
         for replica in self.replicas:
-            threading.Thread(target=self._read, args=(replica,), name=f"nanovllm-dp-reader-{replica.index}",
-                             daemon=True).start()
+            replica.reader = threading.Thread(target=self._read, args=(replica,), daemon=True,
+                                              name=f"nanovllm-dp-reader-{replica.index}")
+            replica.reader.start()
         logger.info("Data parallelism: %d replicas (pids %s), routing %s, %d KV blocks each", size,
                     ", ".join(str(r.process.pid) for r in self.replicas), routing, info[0]["num_blocks"])
 
@@ -233,12 +239,10 @@ class DataParallelEngine(AsyncFront):
                 if kind != "ready":
                     raise RuntimeError(f"data-parallel replica {replica.index} failed to start: {info}")
                 replica.info = info
-        except BaseException:
+        except BaseException:  # (the others may still be loading: no use waiting for them)
             for replica in replicas:
-                replica.send(("stop",))
-                replica.process.join(STOP_TIMEOUT_S)
-                if replica.process.is_alive():
-                    replica.process.kill()
+                replica.process.kill()
+                replica.process.join()
             raise
         return replicas
 
@@ -297,6 +301,7 @@ class DataParallelEngine(AsyncFront):
                 logger.warning("data-parallel replica %d did not stop in %d s: killed", replica.index, STOP_TIMEOUT_S)
                 replica.process.kill()
                 replica.process.join()
+            replica.reader.join(STOP_TIMEOUT_S)  # (it has read the pipe's end: the process is gone)
             replica.conn.close()
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
@@ -392,7 +397,7 @@ class DataParallelEngine(AsyncFront):
             if isinstance(value, list):  # (accepted tokens per draft position)
                 width = max(len(s[key]) for s in snapshots)
                 stats[key] = [sum(s[key][i] for s in snapshots if i < len(s[key])) for i in range(width)]
-            elif key in ("num_running", "num_waiting", "kv_cache_usage"):  # (now: the live replicas')
+            elif key in NOW:
                 stats[key] = sum(s[key] for s in live)
             else:  # (cumulative counts: a dead replica's stay in, so that the counters never go back)
                 stats[key] = sum(s[key] for s in snapshots)
