@@ -10,6 +10,8 @@
   data_parallel.py  replicas of the whole engine, each a process, behind one front that the
                 server calls (`nanovllm serve --data-parallel-size N`); router.py: which replica
                 runs a prompt (by its prefix, or round robin).
+  disaggregation.py  a prefill engine and a decode engine, each a process; the decode engine
+                pulls each prompt's K/V over send/recv and serves them from its prefix cache.
 
 Entered through engine/workers.py's start_workers (nnodes > 1) and make_group (stages.py), the
 engine's choice of runner (pipeline_parallel_size > 1), Config's checks of the options and the
