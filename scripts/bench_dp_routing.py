@@ -3,7 +3,8 @@
 served from its prefix caches, and the ratio. Round robin sends every group's requests to every
 replica, so each replica's cache must hold every shared prefix; routing by prefix keeps a group on
 one replica, so the replicas' caches hold the groups between them: with caches that hold about half
-the prefixes (--num-kvcache-blocks), that is the difference between thrashing and hitting.
+the prefixes (--num-kvcache-blocks), that is the difference between thrashing and hitting. (With
+room for every prefix in each cache, round robin pays only one more miss per prefix and replica.)
 
     python scripts/bench_dp_routing.py                      # a tiny random model on CPU
     python scripts/bench_dp_routing.py --model PATH --num-kvcache-blocks 0 --num-requests 400 \\
@@ -40,14 +41,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model folder (default: a tiny random model)")
     p.add_argument("--data-parallel-size", type=int, default=2)
-    p.add_argument("--num-kvcache-blocks", type=int, default=80,
-                   help="each replica's KV blocks (default 80: about half of the default workload's prefixes)")
+    p.add_argument("--num-kvcache-blocks", type=int, default=144,
+                   help="each replica's KV blocks (default 144: half of the default workload's 16 prefixes of "
+                        "16 blocks, and room for the running sequences)")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--num-requests", type=int, default=160)
     p.add_argument("--request-rate", type=float, default=16.0)
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--shared-prefix-groups", type=int, default=8)
+    p.add_argument("--shared-prefix-groups", type=int, default=16)
     p.add_argument("--shared-prefix-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

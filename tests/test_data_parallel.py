@@ -42,6 +42,14 @@ def test_prefix_router_sends_a_shared_prefix_where_it_went_before():
             loads[i] += 1
 
 
+def test_prefix_router_sends_a_new_prefix_to_the_replica_holding_the_fewest_blocks():
+    router = PrefixRouter(2, BS, capacity=[100, 100], slack=100)
+    assert router.choose(prompt(0, 64), [0, 0]) == 0  # 16 blocks sent there
+    assert router.choose(prompt(1, 32), [0, 0]) == 1  # 8 here: though both are as loaded
+    assert router.choose(prompt(2, 32), [0, 0]) == 1  # 16 here now too
+    assert router.choose(prompt(3, 32), [0, 5]) == 0  # as many: the less loaded
+
+
 def test_prefix_router_leaves_a_replica_loaded_past_the_slack():
     router = PrefixRouter(2, BS, capacity=[100, 100], slack=2)
     home = router.choose(prompt(0, 32), [0, 0])

@@ -3,7 +3,9 @@
 prefix       where the prompt's longest run of leading full blocks was sent before, so that their KV is
              likely still in that replica's prefix cache; among the replicas loaded at most `slack`
              sequences (max_num_seqs: a step's batch) above the least loaded one, so that a popular
-             prefix cannot pile every request onto one replica. Ties: the less loaded, then the lower index.
+             prefix cannot pile every request onto one replica. Ties: the less loaded, then the lower
+             index; a prompt that matches nowhere: the replica holding the fewest blocks sent (as
+             SGLang's cache-aware router does), so that the prefixes spread evenly over the caches.
 round_robin  each replica in turn.
 
 A replica's load is its sequences in flight; None marks a dead one, which is never chosen. The prefix
@@ -56,7 +58,11 @@ class PrefixRouter:
         live = alive(loads)
         least = min(loads[i] for i in live)
         candidates = [i for i in live if loads[i] <= least + self.slack]
-        best = max(candidates, key=lambda i: (self.matched(i, hashes), -loads[i], -i))
+        matched = {i: self.matched(i, hashes) for i in candidates}
+        if max(matched.values()) == 0:
+            best = min(candidates, key=lambda i: (len(self.sent[i]), loads[i], i))
+        else:
+            best = max(candidates, key=lambda i: (matched[i], -loads[i], -i))
         self.remember(best, hashes)
         return best
 
