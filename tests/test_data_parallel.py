@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from nanovllm.distributed.router import PrefixRouter, RoundRobinRouter, block_hashes, make_router
+from test_tensor_parallel import alive as running  # (exists and is not a zombie)
 
 BS = 4
 
@@ -91,15 +92,6 @@ def replica_pids(server) -> list[int]:
     found = re.search(r"Data parallelism: \d+ replicas \(pids ([\d, ]+)\)", server.log())
     assert found, server.log()
     return [int(pid) for pid in found.group(1).split(", ")]
-
-
-def running(pid: int) -> bool:
-    """Whether the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
