@@ -197,3 +197,36 @@ def test_each_replica_gets_the_next_gpus(monkeypatch):
     assert replica_gpus(5, 1) == ["3", "5", "6", "7", "9"]
     with pytest.raises(ValueError, match="data_parallel_size=3 replicas of 2 GPU"):
         replica_gpus(3, 2)
+
+
+def test_the_front_counts_samples_caps_the_queue_and_aborts_on_the_replicas(model):
+    """n samples each end once; --max-queued-requests counts what was sent and is not running (at
+    most max_num_seqs=1 a replica runs); an abort (a client gone: no last update, as AsyncEngine's)
+    leaves the front's load at once, and the replicas end the requests."""
+    import asyncio
+    from serving import wait_for
+    from nanovllm import SamplingParams
+    from nanovllm.distributed.data_parallel import DataParallelEngine
+    from nanovllm.entrypoints.async_engine import QueueFull, updates
+    engine = DataParallelEngine(model, {"device": "cpu", "max_model_len": 1024, "max_num_seqs": 1}, 2,
+                                max_queued_requests=4)
+
+    async def scenario():
+        sampled = engine.submit_all([[1, 2, 3]], [SamplingParams(n=3, max_tokens=4, seed=1)])
+        assert sorted(u["sample"] for _, u in [x async for x in updates(sampled)] if u["finished"]) == [0, 1, 2]
+        long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        accepted = []
+        with pytest.raises(QueueFull, match="4 sequences may wait"):
+            for i in range(8):
+                accepted += engine.submit_all([[10 + i] * 8], [long])
+        assert 4 <= len(accepted) <= 6  # (4 waiting, and up to one running on each replica)
+        for request in accepted:
+            engine.abort(request)
+        assert [r.load for r in engine.replicas] == [0, 0] and not engine._where
+    try:
+        asyncio.run(scenario())
+        assert wait_for(lambda: all(r.stats.get("num_running", 0) == r.stats.get("num_waiting", 0) == 0
+                                    for r in engine.replicas),
+                        timeout=60)
+    finally:
+        engine.shutdown()

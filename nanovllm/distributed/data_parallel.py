@@ -65,6 +65,7 @@ class Replica:
         self.conn, self.llm = conn, llm
         self.engine = AsyncEngine(llm, metrics=self)
         self.requests: dict[int, Request] = {}  # key (the front's) -> the request, while it runs
+        self.aborted: set[int] = set()  # keys aborted before their call was submitted here
         self.calls: set[asyncio.Task] = set()
         self.outbox: list = []  # items for the front, sent together by flush()
         self.lock = threading.Lock()  # (the engine thread posts metric events)
@@ -101,6 +102,8 @@ class Replica:
             case ("abort", key):
                 if key in self.requests:
                     self.engine.abort(self.requests[key])
+                else:  # (its call's task has not submitted it yet)
+                    self.aborted.add(key)
             case ("close",):
                 self.engine.close()
             case ("stop",):
@@ -115,6 +118,9 @@ class Replica:
                 await self.engine.compile_grammar(p)
             requests = self.engine.submit_all(prompt_token_ids, params, stream)
             self.requests.update(zip(keys, requests))
+            for key, request in zip(keys, requests):
+                if key in self.aborted:
+                    self.engine.abort(request)
             async for i, update in updates(requests):
                 self.post(("update", keys[i], update))
         except Exception as e:
@@ -124,6 +130,7 @@ class Replica:
         finally:
             for key in keys:
                 self.requests.pop(key, None)
+                self.aborted.discard(key)
 
     def post(self, *items):
         """Queue items for the front (any thread); the first of a batch schedules its flush on the loop."""
@@ -277,9 +284,13 @@ class DataParallelEngine(AsyncFront):
         return requests
 
     def abort(self, request: Request):
-        """End the request's unfinished samples, on its replica (any thread; idempotent)."""
+        """End the request's unfinished samples, on its replica (any thread; idempotent). As AsyncEngine's
+        abort, it sends the request no last update (its reader has gone): it leaves the replica's load now."""
         with self._lock:
             where = self._where.get(id(request))
+            if where is not None:
+                self._finish_samples(where[0], where[1], where[0].requests[where[1]][1])
+                self._count_waiting()
         if where is not None:
             where[0].send(("abort", where[1]))
 
