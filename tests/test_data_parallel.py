@@ -230,3 +230,29 @@ def test_the_front_counts_samples_caps_the_queue_and_aborts_on_the_replicas(mode
                         timeout=60)
     finally:
         engine.shutdown()
+
+
+def test_a_replica_ends_an_aborted_calls_relay(model):
+    """In the replica (here in this process, over a pipe): a call aborted mid-run, or before its task
+    submitted it, ends its relay task and leaves nothing behind (AsyncEngine sends it no last update)."""
+    import multiprocessing
+    import threading
+    from serving import wait_for
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.distributed.data_parallel import Replica
+    front, end = multiprocessing.Pipe()
+    replica = Replica(end, LLM(model, device="cpu", max_model_len=1024))
+    thread = threading.Thread(target=lambda: __import__("asyncio").run(replica.serve()), daemon=True)
+    thread.start()
+    assert front.recv()[0] == "ready"
+    long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    front.send(("add", [1, 2], [[5] * 8, [6] * 8], [long, long], True))
+    assert front.recv()  # (a first batch: the call runs)
+    front.send(("abort", 1))
+    front.send(("add", [3], [[7] * 8], [long], False))
+    front.send(("abort", 3))  # (before its task has run: remembered)
+    front.send(("abort", 2))
+    assert wait_for(lambda: not replica.calls and not replica.requests and not replica.aborted)
+    front.send(("stop",))
+    thread.join(30)
+    assert not thread.is_alive()

@@ -27,14 +27,15 @@ from nanovllm.config import Config
 from nanovllm.distributed.router import make_router
 from nanovllm.engine.frontend import Frontend
 from nanovllm.entrypoints.async_engine import (AsyncEngine, AsyncFront, EngineDead, Request, _call_soon, _put_all,
-                                               check_queue_limit, updates)
+                                               check_queue_limit)
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # The stats that say how things are now (the live replicas' sum); the others are cumulative counts.
 NOW = ("num_running", "num_waiting", "kv_cache_usage", "num_host_blocks", "num_host_blocks_used")
-STOP_TIMEOUT_S = 30  # a replica told to stop gets this long (its engine's own shutdown) before it is killed
+STOP_TIMEOUT_S = 30
+ABORTED = object()  # (what a replica's relay finds in a call's queue for a request aborted there)  # a replica told to stop gets this long (its engine's own shutdown) before it is killed
 
 
 class ReplicaFailed(EngineDead):
@@ -101,7 +102,7 @@ class Replica:
                 task.add_done_callback(self.calls.discard)
             case ("abort", key):
                 if key in self.requests:
-                    self.engine.abort(self.requests[key])
+                    self.abort(self.requests[key])
                 else:  # (its call's task has not submitted it yet)
                     self.aborted.add(key)
             case ("close",):
@@ -120,9 +121,8 @@ class Replica:
             self.requests.update(zip(keys, requests))
             for key, request in zip(keys, requests):
                 if key in self.aborted:
-                    self.engine.abort(request)
-            async for i, update in updates(requests):
-                self.post(("update", keys[i], update))
+                    self.abort(request)
+            await self.relay(keys, requests)
         except Exception as e:
             self.post(*(("error", key, type(e).__name__, str(e)) for key in keys))
             if self.engine.error is not None:  # (the engine is dead: so is this replica, for the front to see)
@@ -131,6 +131,27 @@ class Replica:
             for key in keys:
                 self.requests.pop(key, None)
                 self.aborted.discard(key)
+
+    async def relay(self, keys: list[int], requests: list[Request]):
+        """The call's updates to the front until each request's samples end, or the request is aborted
+        (AsyncEngine sends an aborted request no last update: ABORTED in its queue marks its end here)."""
+        left = {id(r): r.params.n for r in requests}
+        key_of = {id(r): key for key, r in zip(keys, requests)}
+        while any(left.values()):
+            request, item = await requests[0].queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if left[id(request)] == 0:  # (an update that came after its abort)
+                continue
+            if item is ABORTED:
+                left[id(request)] = 0
+                continue
+            left[id(request)] -= item["finished"]
+            self.post(("update", key_of[id(request)], item))
+
+    def abort(self, request: Request):
+        self.engine.abort(request)
+        request.queue.put_nowait((request, ABORTED))
 
     def post(self, *items):
         """Queue items for the front (any thread); the first of a batch schedules its flush on the loop."""
