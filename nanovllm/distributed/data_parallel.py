@@ -28,6 +28,7 @@ from nanovllm.distributed.router import make_router
 from nanovllm.engine.frontend import Frontend
 from nanovllm.entrypoints.async_engine import (AsyncEngine, AsyncFront, EngineDead, Request, _call_soon, _put_all,
                                                check_queue_limit)
+from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ def replica_main(conn, model: str, options: dict, cuda_devices: str | None, num_
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    from nanovllm.llm import LLM
     try:
         llm = LLM(model, **options)
     except BaseException as e:

@@ -17,7 +17,6 @@ both, a request that finds no room for its blocks in the decode cache computes i
 instead; the front is a Python API (generate, submit), not yet the server.
 """
 import itertools
-import logging
 import multiprocessing as mp
 import os
 import queue
@@ -31,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.distributed.router import block_hashes
+from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
 
 PREFILL, DECODE = 0, 1  # the two ranks of the transfer group
 GROUP_TIMEOUT = timedelta(seconds=120)
@@ -47,7 +46,6 @@ def start_engine(conn, model: str, options: dict, cuda_device: str | None, rank:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the front decides when to stop)
     if cuda_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
-    from nanovllm.llm import LLM
     try:
         llm = LLM(model, **options)
         check_engine(llm)
