@@ -93,8 +93,8 @@ def test_allocate_fails_without_change_when_cache_hit_needs_revival_but_too_few_
     assert admit(bm, a)
     compute_all(bm, a)
     release(bm, a)
-    assert list(bm.free) == [3, 2, 1, 0]
-    hog = make_seq(list(range(500, 508)))        # takes blocks 3 and 2; cached 1 and 0 stay free
+    assert list(bm.free) == [2, 3, 1, 0]         # (2 holds no published contents: first out)
+    hog = make_seq(list(range(500, 508)))        # takes blocks 2 and 3; cached 1 and 0 stay free
     assert admit(bm, hog)
     b = make_seq(list(range(8)) + [77, 78, 79])  # 2 hits to revive + 1 new = 3 > 2 free
     free_before, hashes_before = list(bm.free), dict(bm.hash_to_block)
@@ -236,6 +236,7 @@ def test_freed_blocks_reused_least_recently_freed_first():
     c = make_seq(list(range(21, 25)))      # 1 block
     for s in (a, b, c):
         assert admit(bm, s)
+        compute_all(bm, s)   # (cached blocks: among those, the order is the order freed)
     assert bm.num_free_blocks == 3
     # Exhaust the never-used blocks so only freed ones remain.
     filler = make_seq(list(range(100, 112)))
@@ -252,6 +253,29 @@ def test_freed_blocks_reused_least_recently_freed_first():
     for s in (x, y, z):
         assert admit(bm, s)
     assert [x.block_table[0], y.block_table[0], z.block_table[0]] == [bb, bc, ba]
+
+
+def test_a_block_no_lookup_can_find_is_reused_before_any_cached_one():
+    """A freed block that holds no published contents (a partial tail) goes to the front of the
+    free list, however recently it was freed: handing it out loses no hit, evicting a cached one may."""
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = make_seq(list(range(1, 6)))        # a full block, then 1 token
+    b = make_seq([50])                     # 1 token
+    for s in (a, b):
+        assert admit(bm, s)
+        compute_all(bm, s)
+    spare = ({0, 1, 2, 3} - set(a.block_table) - set(b.block_table)).pop()
+    (a_full, a_tail), (b_block,) = a.block_table, b.block_table
+    release(bm, a)
+    release(bm, b)                         # b's block freed last, yet first out
+    assert list(bm.free) == [b_block, a_tail, spare, a_full]   # the one cached block, last out
+    c = make_seq(list(range(100, 112)))    # 3 blocks: the spare and both uncached ones
+    assert admit(bm, c)
+    assert a_full not in c.block_table
+    release(bm, c)
+    again = make_seq(list(range(1, 6)))
+    assert admit(bm, again)
+    assert again.num_computed_tokens == BS  # a's full block still served
 
 
 def test_tail_block_evicted_before_prefix_and_evicted_hash_not_served():
@@ -366,11 +390,14 @@ def test_reused_parent_does_not_vouch_for_its_old_child(monkeypatch):
     compute_all(bm, a, 2 * BS + 1)                    # publishes the parent [1]*BS and the child [2]*BS
     a.block_table = [child_id, tail_id, parent_id]    # freed in reverse: parent first, child last
     release(bm, a)
-    b = make_seq(new_prefix + [9])                    # takes the parent's block (the least recently freed)
+    filler = make_seq([9])                            # takes the unpublished tail's block (first out)
+    assert admit(bm, filler) and filler.block_table == [tail_id]
+    b = make_seq(new_prefix)                          # takes the parent's block (the least recently freed)
     assert admit(bm, b) and b.num_computed_tokens == 0
     assert b.block_table[0] == parent_id
-    compute_all(bm, b, BS + 1)                        # the parent's block now holds [3]*BS, published
+    compute_all(bm, b, BS)                            # the parent's block now holds [3]*BS, published
     release(bm, b)
+    release(bm, filler)
     c = make_seq(new_prefix + child + [5])
     assert admit(bm, c)
     assert c.block_table[0] == parent_id              # the new prefix is a true hit...

@@ -69,11 +69,12 @@ def test_silu_and_mul_equals_the_module(dtype, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [True, False])  # (Qwen3's; Llama's has none)
 @pytest.mark.parametrize("head_dim", [16, 40])  # (40: a half of 20, in a block of 32)
-def test_qk_norm_rope_equals_the_modules(dtype, qk_norm, head_dim):
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (20, 10)])  # (20 and 10: 3 and 2 tiles of 8, the last masked)
+def test_qk_norm_rope_equals_the_modules(dtype, qk_norm, head_dim, heads, kv_heads):
     """q and k as views into one qkv projection, at scattered positions: normalized (where the
     family has it), then rotated, as RMSNorm then RotaryEmbedding compute them."""
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
-    heads, kv_heads, tokens = 4, 2, 5
+    tokens = 5
     gen = torch.Generator().manual_seed(4)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)

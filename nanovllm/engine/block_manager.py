@@ -49,7 +49,8 @@ class BlockManager:
 
     A block is free when no sequence holds it (ref_count == 0). A free block keeps its hash and
     contents until it is handed out again, so a later request with the same prefix can revive it.
-    Free blocks are handed out least recently freed first (`self.free` is kept in that order).
+    Free blocks are handed out least recently freed first (`self.free` is kept in that order), but
+    those that no lookup can find (never published, or unpublished) before any cached one.
 
     With a host tier (`host`, num_host_blocks > 0: features/host_tier.py) a cached block about to
     be handed out is first offered to it (write-back on eviction), and a lookup that misses on the
@@ -192,6 +193,14 @@ class BlockManager:
                 continue
             self._publish(block, h, tokens, block.uid, parent_uid)
 
+    def release(self, block_id: int):
+        """Put an unreferenced block on the free list: last out if it is cached, else first, since no
+        hit can come from it (a unique tail's partial block: bench_dp_routing.py's cached tokens, below)."""
+        self.free[block_id] = None
+        block = self.blocks[block_id]
+        if block.hash is None or self.hash_to_block.get(block.hash) != block_id:
+            self.free.move_to_end(block_id, last=False)
+
     def free_blocks(self, seq: Sequence, swap: bool = False):
         """Drop seq's references. Its tail is freed first, so it is also reused first and the more
         widely shared prefix blocks stay cached longest. swap (preemption_mode="swap"): copy its
@@ -201,7 +210,7 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
-                self.free[block_id] = None
+                self.release(block_id)
                 if swap and block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
                     self.host.offload(block)
         seq.block_table = []

@@ -98,39 +98,47 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope_head(x_ptr, w_ptr, out_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """One head: RMSNorm (HAS_NORM) then rotate pairs (x[i], x[i + D/2]), as rotary_embedding.apply_rotary."""
-    i = tl.arange(0, BLOCK)
-    mask = i < HALF
-    x1 = tl.load(x_ptr + i, mask=mask, other=0.0)
-    x2 = tl.load(x_ptr + HALF + i, mask=mask, other=0.0)
+def _norm_rope_heads(x_ptr, s_h, w_ptr, out_ptr, s_oh, first, num_heads, cos, sin, eps, HALF: tl.constexpr,
+                     HAS_NORM: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    """Heads first .. first + HEADS of one token as one [HEADS, BLOCK] tile, each row a head: its
+    RMSNorm (HAS_NORM), then its pairs (x[i], x[i + D/2]) rotated, as rotary_embedding.apply_rotary."""
+    h = first + tl.arange(0, HEADS)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    mask = (h < num_heads) & (i < HALF)
+    x1 = tl.load(x_ptr + h * s_h + i, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + h * s_h + HALF + i, mask=mask, other=0.0)
     if HAS_NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
-        x1 = _normalized(f1, inv, tl.load(w_ptr + i, mask=mask, other=0.0), x1.dtype)
-        x2 = _normalized(f2, inv, tl.load(w_ptr + HALF + i, mask=mask, other=0.0), x2.dtype)
+        inv = tl.math.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+        x1 = _normalized(f1, inv, tl.load(w_ptr + i, mask=i < HALF, other=0.0), x1.dtype)
+        x2 = _normalized(f2, inv, tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0), x2.dtype)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(out_ptr + i, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
-    tl.store(out_ptr + HALF + i, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+    tl.store(out_ptr + h * s_oh + i, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(out_ptr + h * s_oh + HALF + i, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_out_ptr,
-                         num_q_heads, eps, s_qt, s_qh, s_kt, s_kh, s_oqt, s_oqh, s_okt, s_okh,
-                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
-    t, h = tl.program_id(0), tl.program_id(1)  # a token, and one of its q heads then k heads
-    i = tl.arange(0, BLOCK)
+                         num_q_heads, num_k_heads, eps, s_qt, s_qh, s_kt, s_kh, s_oqt, s_oqh, s_okt, s_okh,
+                         HALF: tl.constexpr, HAS_NORM: tl.constexpr, HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    t, part = tl.program_id(0), tl.program_id(1)  # a token, and a tile of HEADS of its q heads, then k heads
+    i = tl.arange(0, BLOCK)[None, :]
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cos_ptr + pos * HALF + i, mask=i < HALF, other=0.0)
     sin = tl.load(sin_ptr + pos * HALF + i, mask=i < HALF, other=0.0)
-    if h < num_q_heads:
-        _norm_rope_head(q_ptr + t * s_qt + h * s_qh, qw_ptr, q_out_ptr + t * s_oqt + h * s_oqh, cos, sin, eps,
-                        HALF, HAS_NORM, BLOCK)
+    q_parts = tl.cdiv(num_q_heads, HEADS)
+    if part < q_parts:
+        _norm_rope_heads(q_ptr + t * s_qt, s_qh, qw_ptr, q_out_ptr + t * s_oqt, s_oqh, part * HEADS, num_q_heads,
+                         cos, sin, eps, HALF, HAS_NORM, HEADS, BLOCK)
     else:
-        hk = h - num_q_heads
-        _norm_rope_head(k_ptr + t * s_kt + hk * s_kh, kw_ptr, k_out_ptr + t * s_okt + hk * s_okh, cos, sin, eps,
-                        HALF, HAS_NORM, BLOCK)
+        _norm_rope_heads(k_ptr + t * s_kt, s_kh, kw_ptr, k_out_ptr + t * s_okt, s_okh, (part - q_parts) * HEADS,
+                         num_k_heads, cos, sin, eps, HALF, HAS_NORM, HEADS, BLOCK)
+
+
+# Heads per program of qk_norm_rope: a tile of 8 heads rather than a program per head, so a step
+# launches 1/8 of the programs. Under the interpreter (CPU tests) each program is Python: per head,
+# qk_norm_rope took 62% of test_bench_warm_up_compiles_every_variant_of_the_run's samples.
+QK_ROPE_HEADS = 8
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor,
@@ -147,9 +155,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm, k_norm, cos: torch.Te
     if num_tokens:
         has_norm = q_norm is not None
         q_weight, k_weight = (q_norm.weight, k_norm.weight) if has_norm else (q, k)  # (unread without norms)
-        _qk_norm_rope_kernel[(num_tokens, num_q_heads + k.shape[1])](
-            q, k, q_weight, k_weight, cos, sin, positions, q_out, k_out, num_q_heads,
+        parts = triton.cdiv(num_q_heads, QK_ROPE_HEADS) + triton.cdiv(k.shape[1], QK_ROPE_HEADS)
+        _qk_norm_rope_kernel[(num_tokens, parts)](
+            q, k, q_weight, k_weight, cos, sin, positions, q_out, k_out, num_q_heads, k.shape[1],
             q_norm.eps if has_norm else 0.0, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            HALF=head_dim // 2, HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1)
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), HALF=head_dim // 2,
+            HAS_NORM=has_norm, HEADS=QK_ROPE_HEADS, BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=2)
     return q_out, k_out
