@@ -5,6 +5,8 @@ replica, so each replica's cache must hold every shared prefix; routing by prefi
 one replica, so the replicas' caches hold the groups between them: with caches that hold about half
 the prefixes (--num-kvcache-blocks), that is the difference between thrashing and hitting. (With
 room for every prefix in each cache, round robin pays only one more miss per prefix and replica.)
+The ratio depends on the draw of the workload (which prefix each request takes, in which order:
+round robin's hits are luck), so each --seeds value draws one and the median ratio is reported.
 
     python scripts/bench_dp_routing.py                      # a tiny random model on CPU
     python scripts/bench_dp_routing.py --model PATH --num-kvcache-blocks 0 --num-requests 400 \\
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -51,28 +54,40 @@ def main(argv=None):
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--shared-prefix-groups", type=int, default=16)
     p.add_argument("--shared-prefix-len", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                   help="one workload drawn per seed (default 0..4), both routings run on each")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             from nanovllm.utils.tiny_model import build_model
             args.model = build_model(os.path.join(tmp, "model"))
-        reports = {routing: serve_and_measure(args, routing, tmp) for routing in ("round_robin", "prefix")}
+        runs = [measure_seed(args, seed, tmp) for seed in args.seeds]
+    result = {"runs": runs, "median_prefix_over_round_robin": statistics.median(r["prefix_over_round_robin"]
+                                                                                 for r in runs)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"median prefix / round_robin cached tokens over {len(runs)} seeds: "
+              f"{result['median_prefix_over_round_robin']:.2f}x")
+    return result
+
+
+def measure_seed(args, seed: int, tmp: str) -> dict:
+    load = argparse.Namespace(**{**vars(args), "seed": seed})
+    reports = {routing: serve_and_measure(load, routing, tmp) for routing in ("round_robin", "prefix")}
     cached = {routing: r["cached_prompt_tokens"] for routing, r in reports.items()}
-    result = {"cached_prompt_tokens": cached, "prompt_tokens": reports["prefix"]["prompt_tokens"],
+    result = {"seed": seed, "cached_prompt_tokens": cached, "prompt_tokens": reports["prefix"]["prompt_tokens"],
               "failed": {routing: r["failed"] for routing, r in reports.items()},
               "prefix_over_round_robin": cached["prefix"] / max(1, cached["round_robin"]),
               "ttft_p50_ms": {routing: r["ttft_p50_ms"] for routing, r in reports.items()},
               "output_throughput": {routing: r["output_throughput"] for routing, r in reports.items()}}
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not args.json:
         for routing, r in reports.items():
-            print(f"{routing:>11}: {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens from the prefix "
-                  f"caches ({r['prefix_cache_hit_rate']:.1%}); TTFT p50 {r['ttft_p50_ms']:.1f} ms; "
+            print(f"seed {seed} {routing:>11}: {r['cached_prompt_tokens']} of {r['prompt_tokens']} prompt tokens from "
+                  f"the prefix caches ({r['prefix_cache_hit_rate']:.1%}); TTFT p50 {r['ttft_p50_ms']:.1f} ms; "
                   f"{r['output_throughput']:.1f} output tok/s; {r['failed']} failed")
-        print(f"prefix / round_robin cached tokens: {result['prefix_over_round_robin']:.2f}x")
+        print(f"seed {seed} prefix / round_robin cached tokens: {result['prefix_over_round_robin']:.2f}x", flush=True)
     return result
 
 

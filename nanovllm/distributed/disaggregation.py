@@ -253,7 +253,7 @@ def publish_blocks(llm, token_ids: list[int], blocks: torch.Tensor):
         parent_uid = uid
     for block_id in reversed(taken):  # (freed as free_blocks frees: the tail first, reused first)
         manager.blocks[block_id].ref_count = 0
-        manager.free[block_id] = None
+        manager.release(block_id)
 
 
 # ---- the front, in the caller's process -----------------------------------------------------------

@@ -194,8 +194,7 @@ class BlockManager:
             self._publish(block, h, tokens, block.uid, parent_uid)
 
     def release(self, block_id: int):
-        """Put an unreferenced block on the free list: last out if it is cached, else first, since no
-        hit can come from it (a unique tail's partial block: bench_dp_routing.py's cached tokens, below)."""
+        """Free an unreferenced block: last out if a lookup can find it, else first (no hit can come from it)."""
         self.free[block_id] = None
         block = self.blocks[block_id]
         if block.hash is None or self.hash_to_block.get(block.hash) != block_id:
