@@ -135,9 +135,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr
                          num_k_heads, cos, sin, eps, HALF, HAS_NORM, HEADS, BLOCK)
 
 
-# Heads per program of qk_norm_rope: a tile of 8 heads rather than a program per head, so a step
-# launches 1/8 of the programs. Under the interpreter (CPU tests) each program is Python: per head,
-# qk_norm_rope took 62% of test_bench_warm_up_compiles_every_variant_of_the_run's samples.
+# Heads per program of qk_norm_rope: a tile of up to 8 heads rather than a program per head (Qwen3-0.6B's
+# 16 + 8 heads: 3 programs a token, not 24). Under the interpreter (CPU tests) each program is Python:
+# one a head, qk_norm_rope took 62% of test_bench_warm_up_compiles_every_variant_of_the_run's samples.
 QK_ROPE_HEADS = 8
 
 
