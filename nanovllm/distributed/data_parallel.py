@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 # The stats that say how things are now (the live replicas' sum); the others are cumulative counts.
 NOW = ("num_running", "num_waiting", "kv_cache_usage", "num_host_blocks", "num_host_blocks_used")
-STOP_TIMEOUT_S = 30
-ABORTED = object()  # (what a replica's relay finds in a call's queue for a request aborted there)  # a replica told to stop gets this long (its engine's own shutdown) before it is killed
+STOP_TIMEOUT_S = 30  # a replica told to stop gets this long (its engine's own shutdown) before it is killed
+ABORTED = object()  # (what a replica's relay finds in a call's queue for a request aborted there)
 
 
 class ReplicaFailed(EngineDead):
