@@ -235,6 +235,7 @@ def test_the_front_counts_samples_caps_the_queue_and_aborts_on_the_replicas(mode
 def test_a_replica_ends_an_aborted_calls_relay(model):
     """In the replica (here in this process, over a pipe): a call aborted mid-run, or before its task
     submitted it, ends its relay task and leaves nothing behind (AsyncEngine sends it no last update)."""
+    import asyncio
     import multiprocessing
     import threading
     from serving import wait_for
@@ -242,7 +243,7 @@ def test_a_replica_ends_an_aborted_calls_relay(model):
     from nanovllm.distributed.data_parallel import Replica
     front, end = multiprocessing.Pipe()
     replica = Replica(end, LLM(model, device="cpu", max_model_len=1024))
-    thread = threading.Thread(target=lambda: __import__("asyncio").run(replica.serve()), daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(replica.serve()), daemon=True)
     thread.start()
     assert front.recv()[0] == "ready"
     long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
