@@ -3,6 +3,17 @@ import random
 import sys
 
 import pytest
+import torch
+
+# Under pytest-xdist (README's `-n auto`), each worker gets its share of the cores, and so does every
+# process a test spawns (tensor-parallel ranks, servers: OMP_NUM_THREADS is inherited). torch's
+# intra-op threads spin-wait, so two workers of all the cores each ran the suite no faster than one
+# process did (1,137 s against 1,120 s on 2 cores); a core each took it to 602 s.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _share = max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_reference import hf_greedy  # noqa: E402
