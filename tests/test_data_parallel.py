@@ -257,3 +257,22 @@ def test_a_replica_ends_an_aborted_calls_relay(model):
     front.send(("stop",))
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_bench_dp_routing_runs_both_routings_and_reports_the_ratio(model):
+    """scripts/bench_dp_routing.py on a small draw (README's figures come from its default one): both
+    servers answer every request, and the ratio is the two runs' cached prompt tokens."""
+    pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_dp_routing
+    result = bench_dp_routing.main(["--model", model, "--num-requests", "8", "--request-rate", "20",
+                                    "--shared-prefix-groups", "2", "--shared-prefix-len", "64", "--input-len", "8",
+                                    "--output-len", "2", "--num-kvcache-blocks", "64", "--max-model-len", "256",
+                                    "--seeds", "0", "--json"])
+    [run] = result["runs"]
+    cached = run["cached_prompt_tokens"]
+    assert run["failed"] == {"round_robin": 0, "prefix": 0}
+    assert 0 < cached["prefix"] <= run["prompt_tokens"] and 0 <= cached["round_robin"] <= run["prompt_tokens"]
+    assert run["prefix_over_round_robin"] == cached["prefix"] / max(1, cached["round_robin"])
+    assert result["median_prefix_over_round_robin"] == run["prefix_over_round_robin"]
