@@ -1,11 +1,13 @@
 """Data parallelism (distributed/data_parallel.py, router.py): replicas of the whole engine, each a
 process, behind one front. The router's choices; a served model whose answers are LLM.generate's
-whichever replica ran them; a replica killed mid-stream fails only its own requests (503)."""
+whichever replica ran them; a replica killed mid-stream fails only its own requests (503);
+scripts/bench_dp_routing.py's comparison of the routings."""
 import json
 import os
 import random
 import re
 import signal
+import sys
 
 import pytest
 
@@ -263,7 +265,6 @@ def test_bench_dp_routing_runs_both_routings_and_reports_the_ratio(model):
     """scripts/bench_dp_routing.py on a small draw (README's figures come from its default one): both
     servers answer every request, and the ratio is the two runs' cached prompt tokens."""
     pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installed")
-    import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
     import bench_dp_routing
     result = bench_dp_routing.main(["--model", model, "--num-requests", "8", "--request-rate", "20",
