@@ -111,8 +111,8 @@ class Config:
             raise ValueError(f"model folder {self.model!r} has no config.json")
         self._check_options()
         if (self.nnodes, self.node_rank, self.master_addr, self.master_port) != (1, 0, None, None):
-            from nanovllm.distributed.nodes import check_options  # (multi-node's layer: loaded when asked for)
-            check_options(self)
+            from nanovllm.distributed.options import check_nodes  # (multi-node's checks: loaded when asked for)
+            check_nodes(self)
         if self.speculative_config is not None:
             from nanovllm.features.speculative.config import SpeculativeConfig  # (a layer: loaded when asked for)
             self.speculative = SpeculativeConfig.parse(self.speculative_config)
@@ -133,11 +133,11 @@ class Config:
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
         self.dtype = self._resolve_dtype()
         if self.tensor_parallel_size > 1:
-            from nanovllm.engine.workers import check_tensor_parallel  # (tensor parallelism's: loaded when asked for)
+            from nanovllm.distributed.options import check_tensor_parallel  # (tensor parallelism's: loaded when asked for)
             check_tensor_parallel(self)
         if self.pipeline_parallel_size > 1:
-            from nanovllm.distributed.stages import check_options  # (pipeline parallelism's: loaded when asked for)
-            check_options(self)
+            from nanovllm.distributed.options import check_pipeline  # (pipeline parallelism's: loaded when asked for)
+            check_pipeline(self)
 
     def _positive_int(self, name: str, allow_none: bool = False):
         value = getattr(self, name)

@@ -23,7 +23,9 @@ imports nanovllm.x, and nanovllm.x.y too if that is a module), and for each modu
 a call of importlib.import_module or of utils/triton_mode.py's import_kernels (which hands its name
 to import_module) whose argument is a string, or an f-string or a `+` whose constant start names
 modules: an edge to every module that start could resolve to (f"nanovllm.models.{name}": each
-module of nanovllm/models). Imports under `if TYPE_CHECKING:` are left out: they never run. A
+module of nanovllm/models). Imports under `if TYPE_CHECKING:` are edges too: they never run, but
+they are a dependency all the same, which a reader and a type checker follow (Config importing the
+layers that import it for their types was one cycle, issue 46). A
 cycle is a strongly connected component of more than one module; a package's __init__ that
 imports a submodule which imports the package back (for a name) is one too.
 """
@@ -129,11 +131,6 @@ def constant_start(node: ast.expr) -> str | None:
     return None
 
 
-def is_type_checking(node: ast.AST) -> bool:
-    """Whether node is an `if TYPE_CHECKING:` (or `if typing.TYPE_CHECKING:`), whose imports never run."""
-    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-
-
 def loads_by_name(node: ast.AST) -> bool:
     """Whether node is a call of one of LOADERS (by either name or attribute: importlib.import_module)."""
     return (isinstance(node, ast.Call) and bool(node.args)
@@ -142,7 +139,7 @@ def loads_by_name(node: ast.AST) -> bool:
 
 def named_imports(node: ast.AST, module: str, is_package: bool):
     """The names of modules the code under `node` imports (possibly not nanovllm's), or may load by
-    name (a constant start ending in "*"); `if TYPE_CHECKING:` blocks skipped."""
+    name (a constant start ending in "*"); `if TYPE_CHECKING:` blocks included."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.Import):
             yield from (alias.name for alias in child.names)
@@ -157,8 +154,7 @@ def named_imports(node: ast.AST, module: str, is_package: bool):
             start = constant_start(child.args[0])
             if start is not None:
                 yield start if isinstance(child.args[0], ast.Constant) else start + "*"
-        if not is_type_checking(child):
-            yield from named_imports(child, module, is_package)
+        yield from named_imports(child, module, is_package)
 
 
 def import_graph(files: dict[str, str]) -> dict[str, set[str]]:

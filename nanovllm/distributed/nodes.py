@@ -45,52 +45,6 @@ CONTROL_TIMEOUT = timedelta(days=365)
 AGREED = ("nnodes", "tensor_parallel_size", "pipeline_parallel_size", "model_config")
 
 
-def check_options(config: "Config"):
-    """Config's check of the multi-node options (when nnodes != 1 or node_rank != 0); fills
-    master_addr / master_port from MASTER_ADDR / MASTER_PORT where not given."""
-    for name in ("nnodes", "node_rank"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    if config.nnodes < 1:
-        raise ValueError(f"nnodes must be >= 1, got {config.nnodes}")
-    if not 0 <= config.node_rank < config.nnodes:
-        raise ValueError(f"node_rank must be in [0, nnodes={config.nnodes}), got {config.node_rank}")
-    if config.nnodes == 1:
-        raise ValueError(f"master_addr and master_port are for nnodes > 1, got master_addr={config.master_addr!r}, "
-                         f"master_port={config.master_port!r} with nnodes=1")
-    if config.world_size % config.nnodes:
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
-                         f"{config.pipeline_parallel_size} ranks cannot be split over nnodes={config.nnodes}: each "
-                         f"node runs tensor_parallel_size x pipeline_parallel_size / nnodes ranks")
-    if launched_by_torchrun():  # (one process a node: torchrun --nproc-per-node 1; its RANK is the node's)
-        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        if config.nnodes != world:
-            raise ValueError(f"under torchrun, nnodes must be its WORLD_SIZE={world} (one process a node: "
-                             f"--nproc-per-node 1), got nnodes={config.nnodes}")
-        if config.node_rank not in (0, rank):
-            raise ValueError(f"under torchrun, node_rank is its RANK={rank}, got node_rank={config.node_rank}")
-        config.node_rank = rank
-    if config.master_addr is None:
-        config.master_addr = os.environ.get("MASTER_ADDR")
-    if config.master_port is None and os.environ.get("MASTER_PORT"):
-        config.master_port = int(os.environ["MASTER_PORT"])
-    if not isinstance(config.master_addr, str) or not config.master_addr:
-        raise ValueError(f"nnodes={config.nnodes} needs master_addr (node 0's address; --master-addr, or "
-                         f"MASTER_ADDR in the environment), got {config.master_addr!r}")
-    port = config.master_port
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ValueError(f"nnodes={config.nnodes} needs master_port (a free port on node 0, 1-65535; "
-                         f"--master-port, or MASTER_PORT in the environment), got {port!r}")
-    if isinstance(config.node_timeout, bool) or not isinstance(config.node_timeout, (int, float)) \
-            or not config.node_timeout > 0:
-        raise ValueError(f"node_timeout must be a positive number of seconds, got {config.node_timeout!r}")
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def node_view(config: "Config") -> dict:
     """What a node was started with, of the options all must agree on (AGREED)."""
     model = hashlib.sha256(config.hf_config.to_json_string(use_diff=False).encode()).hexdigest()[:16]

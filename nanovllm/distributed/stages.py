@@ -1,8 +1,7 @@
 """What a pipeline stage is (pipeline_parallel_size > 1; distributed/pipeline.py's PipelineRunner
 runs one, and its docstring tells the whole design): the ranks' groups (StageGroup, make_group),
 the layers of each stage, the model built for them, a step cut into micro-batches, a stage's
-share of the forward, and its clock. Config's checks are here too (check_options), so that
-Config loads none of the runner."""
+share of the forward, and its clock. (Config's checks of the option: distributed/options.py.)"""
 from contextlib import contextmanager
 from time import perf_counter
 from typing import TYPE_CHECKING
@@ -37,17 +36,6 @@ MIN_MICRO_BATCH_TOKENS = {"cpu": 64, "cuda": 256}
 def num_micro_batches(num_tokens: int, num_stages: int, device: str) -> int:
     """How many micro-batches a step of num_tokens is cut into (at least 1)."""
     return max(1, min(MICRO_BATCHES_PER_STAGE * num_stages, num_tokens // MIN_MICRO_BATCH_TOKENS[device]))
-
-
-def check_options(config: "Config"):
-    """Config's checks of pipeline_parallel_size > 1: a ValueError naming the option."""
-    pp, layers = config.pipeline_parallel_size, config.hf_config.num_hidden_layers
-    if pp > layers:
-        raise ValueError(f"pipeline_parallel_size={pp} is more than the model's num_hidden_layers={layers}: "
-                         f"every stage needs a layer")
-    if config.speculative is not None:
-        raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
-    check_gpus(config)
 
 
 def layers_of_stage(num_layers: int, num_stages: int, stage: int, head_layers: float = 0.0) -> range:
@@ -223,15 +211,6 @@ def stage_busy(times: np.ndarray, tp: int) -> tuple[np.ndarray, list[float]]:
     decode = times[0, :, 3] == 1
     over_decode = (work[:, decode].sum(1) / np.maximum(span[:, decode].sum(1), 1e-12)).reshape(-1, tp).mean(1)
     return busy, over_decode.tolist()
-
-
-def check_gpus(config: "Config"):
-    """A ValueError unless each node sees a GPU for each of its ranks (one GPU a rank: NCCL's rule)."""
-    local = config.world_size // config.nnodes  # (ranks on this node)
-    if config.device == "cuda" and local > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
-                         f"{config.pipeline_parallel_size} over nnodes={config.nnodes} needs {local} GPUs on each "
-                         f"node; {torch.cuda.device_count()} are visible")
 
 
 def make_group(store: dist.Store, rank: int, config: "Config", local_rank: int | None = None):

@@ -6,8 +6,8 @@ distributed/nodes.py's NodeWorkers instead) and hands it to its ModelRunner. It 
 the engine's own rendezvous store on a free port, spawns one process per extra rank and sends
 each a pickled `(method, args)` per call over a pipe. The workers run the same ModelRunner method, so the collectives inside the model
 (all-reduce, gather) line up. Workers ignore Ctrl-C (rank 0 decides), and exit when told to,
-when their pipe closes (rank 0 died), or are terminated on close. check_tensor_parallel is
-Config's check that the model splits over the ranks.
+when their pipe closes (rank 0 died), or are terminated on close.
+(Config's check that the model splits over the ranks is distributed/options.py's.)
 """
 import multiprocessing as mp
 import pickle
@@ -18,28 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from nanovllm.distributed.stages import check_gpus, make_group
+from nanovllm.distributed.stages import make_group
 from nanovllm.utils.processes import JOIN_TIMEOUT_S, check_alive, died_starting, stop_processes
 
 if TYPE_CHECKING:
     from nanovllm.config import Config
 
 STORE_TIMEOUT = timedelta(seconds=120)  # rendezvous: long enough for a worker to import torch
-
-
-def check_tensor_parallel(config: "Config"):
-    """A ValueError unless every split the sharded layers make is exact (Config, when tensor_parallel_size > 1)."""
-    tp, c = config.tensor_parallel_size, config.hf_config
-    check_gpus(config)
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    checks = [("num_attention_heads", c.num_attention_heads, c.num_attention_heads % tp == 0),
-              ("num_key_value_heads", kv_heads, kv_heads % tp == 0 or tp % kv_heads == 0),
-              ("vocab_size", c.vocab_size, c.vocab_size % tp == 0),
-              ("intermediate_size", c.intermediate_size, c.intermediate_size % tp == 0)]
-    for name, value, ok in checks:
-        if not ok:
-            raise ValueError(f"tensor_parallel_size={tp} cannot split the model's {name}={value}: it must be "
-                             f"divisible by {tp}" + (f" (or divide {tp})" if name == "num_key_value_heads" else ""))
 
 
 def _worker_main(config: "Config", runner_class: type, rank: int, store_port: int, conn):
