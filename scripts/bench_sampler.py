@@ -9,6 +9,11 @@ The logits are peaked like a language model's (LOGIT_SCALE). Two more lines show
 top-p cannot be served from the most likely NUM_CANDIDATES tokens and sorts whole rows: flat logits
 (the nucleus holds half the vocabulary) and logits rounded to bfloat16, as an LM head in bf16 gives,
 whose ties often straddle the top-p cut.
+
+Two last lines time the plain draws, without the engine around them: temperature alone
+(softmax, then inverse-transform sampling) and a full-sort top-p (layers/top_k_top_p.full_way)
+on the same peaked logits. Their ratio decides whether top_k_top_p.py's candidate draw and its
+redraw protocol earn their lines (scripts/gpu_steps.py's top_p step: above 1.5x on a GPU).
 """
 import argparse
 import os
@@ -22,7 +27,9 @@ from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.engine.batch_state import BatchState  # noqa: E402
 from nanovllm.engine.model_runner import ModelRunner  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
+from nanovllm.layers.inverse_transform import sample_from  # noqa: E402
 from nanovllm.layers.sampler import Sampler  # noqa: E402
+from nanovllm.layers.top_k_top_p import full_way  # noqa: E402
 
 # Standard normal logits over a 150k vocabulary are nearly flat: at temperature 0.8 the 0.9 nucleus
 # holds ~78k tokens. Scaled by 4 the top token has ~0.26 and the nucleus ~90 tokens (at most ~300),
@@ -87,10 +94,32 @@ def main(argv=None):
             tokens.tolist()
             times.append(time.perf_counter() - start)
         results[name] = min(times[1:])
+    results.update(time_plain_draws(logits_of["peaked"], args.iters, device))
     base = results["greedy"]
     print(f"sampler, batch {args.batch}, vocab {args.vocab}, {args.device}: best of {args.iters}")
     for name, t in results.items():
         print(f"  {name:32s} {t * 1e3:8.2f} ms/step  (+{(t - base) * 1e3:7.2f} ms over greedy)")
+    return results
+
+
+def time_plain_draws(logits: torch.Tensor, iters: int, device: torch.device) -> dict[str, float]:
+    """Best-of-iters seconds of a temperature-only draw and of a full-sort top-p draw (0.9) of logits [B, V]."""
+    rows = logits.shape[0]
+    uniform = torch.rand(rows, device=device, dtype=torch.float64)
+    top_ks = torch.zeros(rows, dtype=torch.long, device=device)      # (0: top-k off)
+    top_ps = torch.full((rows,), 0.9, device=device)
+    draws = {"plain: temperature": lambda p: sample_from(p, uniform),
+             "plain: sort-based top_p": lambda p: full_way(p, uniform, top_ks, top_ps, None)}
+    results = {}
+    for name, draw in draws.items():
+        times = []
+        for _ in range(iters + 1):  # the first call warms up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            draw(torch.softmax(logits / 0.8, -1)).tolist()
+            times.append(time.perf_counter() - start)
+        results[name] = min(times[1:])
     return results
 
 
