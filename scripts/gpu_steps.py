@@ -91,14 +91,20 @@ class Context:
 
     def after_step(self):
         self.notes = []
-        gc.collect()
-        import torch
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_gpu_memory()
 
     def wants(self, part: str) -> bool:
         """Whether a step's part runs: all of them, or a warm-up job's one."""
         return self.only is None or self.only == part
+
+
+def free_gpu_memory():
+    """What an engine that was shut down (or a Hugging Face model) left: the next engine of this
+    process sizes its KV cache from the free memory."""
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def script(name: str):
@@ -122,10 +128,12 @@ def bench(ctx: Context, argv: list[str], probe: str | None = None) -> dict:
         argv += ["--probe-save", probe_reference(ctx)]
     elif probe:
         argv += ["--probe-check", probe_reference(ctx), "--probe-max-error", str(PROBE_BOUNDS[probe])]
+    free_gpu_memory()
     return script("bench").main(argv)
 
 
 def micro(ctx: Context, name: str, argv: list[str]):
+    free_gpu_memory()
     return script(name).main(argv + (["--iters", "1"] if ctx.warm else []))
 
 
