@@ -202,14 +202,15 @@ def wait_for(path: str, until: float):
         time.sleep(0.2)
 
 
-def run_steps(steps: list[tuple[int, Step]], funcs, record: Record, until: float, ctx, warm_up_done: str) -> None:
+def run_steps(steps: list[tuple[int, Step]], funcs, record: Record, until: float, ctx, warm_up_done: str,
+              min_step_s: float = MIN_STEP_S) -> None:
     """Each step in turn, in this process, boxed by SIGALRM at min(its box, what is left until
     `until`); its row written as it ends, whatever happened (a raise is a FAIL, never the end).
     A step waits for the warm-up to be done (warm_up_done exists) unless it runs beside it."""
     signal.signal(signal.SIGALRM, _alarm)
     for number, step in steps:
         left = until - time.time()
-        if left < MIN_STEP_S:
+        if left < min_step_s:
             record.row(number, step, "SKIP", f"out of time ({max(left, 0):.0f} s left of the plan)", 0)
             continue
         if not step.beside_warm_up:
@@ -258,22 +259,27 @@ def group_main(args):
     steps = [(number, Step(**fields)) for number, fields in json.loads(args.steps)]
     module = importlib.import_module(args.steps_module)  # (light: the steps import torch when they run)
     if args.dry:
-        run_steps(steps, dry_funcs(steps, module), record, args.until, DryContext(), args.warm_up_done)
+        run_steps(steps, dry_funcs(steps, module), record, args.until, DryContext(), args.warm_up_done, args.min_step_s)
         return
     run_steps(steps, {s.name: getattr(module, s.name) for _, s in steps}, record, args.until,
-              module.Context(out=os.path.dirname(args.record)), args.warm_up_done)
+              module.Context(out=os.path.dirname(args.record)), args.warm_up_done, args.min_step_s)
 
 
 # ---- the driver ---------------------------------------------------------------------------------------
 def run_group(group: str, args, record: Record, until: float, warm_up_done: str):
-    """The group's steps in a process of their own, killed at its time; then the rows it did not write."""
+    """The group's steps in a process of their own, stopped when what the plan has left, less the
+    later groups' boxes and starts, runs out (so an earlier group's unused time, or the warm-up's
+    beside the first, passes on); then the rows its process did not write."""
     numbered = [(i, s) for i, s in enumerate(plan_of(args.quick), 1) if s.group == group]
     if not numbered:
         return
-    budget = min(sum(s.box_s for _, s in numbered) + GROUP_START_S, until - time.time())
+    later = [s for s in plan_of(args.quick) if s.group in GROUPS[GROUPS.index(group) + 1:]]
+    reserve = sum(s.box_s for s in later) + GROUP_START_S * len({s.group for s in later}) + KILL_AFTER_S
+    budget = until - time.time() - reserve  # (less a stop's grace too: it comes out of this group's time)
     steps = json.dumps([(number, dataclasses.asdict(step)) for number, step in numbered])
     cmd = [sys.executable, os.path.abspath(__file__), "--run-group", group, "--steps", steps, "--record", record.path,
-           "--until", str(until), "--steps-module", args.steps_module, "--warm-up-done", warm_up_done]
+           "--until", str(until), "--steps-module", args.steps_module, "--warm-up-done", warm_up_done,
+           "--min-step-s", str(MIN_STEP_S)]
     cmd += ["--quick"] * args.quick + ["--dry"] * args.dry
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)  # (its own process group: see stop)
     try:
@@ -408,6 +414,7 @@ def parse_args(argv=None):
     p.add_argument("--record", help=argparse.SUPPRESS)
     p.add_argument("--until", type=float, help=argparse.SUPPRESS)
     p.add_argument("--warm-up-done", help=argparse.SUPPRESS)
+    p.add_argument("--min-step-s", type=float, default=MIN_STEP_S, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
