@@ -318,6 +318,29 @@ def test_tail_block_evicted_before_prefix_and_evicted_hash_not_served():
     assert d.num_computed_tokens == 0
 
 
+def test_a_block_computed_alongside_an_equal_published_one_is_not_cached_the_first_stays():
+    """Two equal prompts computed in one step: the first sequence's blocks are published; the
+    second's equal blocks are not (their keys are taken), so once both are freed they go out
+    before any cached block, and a later hit is served by the first's."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    prompt = list(range(1, 10))            # 2 full blocks + 1 token
+    a, b = make_seq(prompt), make_seq(prompt)
+    assert admit(bm, a) and admit(bm, b)   # (nothing is published yet: no hit for b)
+    compute_all(bm, a)
+    compute_all(bm, b)                     # b's two full blocks duplicate a's
+    cached = a.block_table[:2]
+    release(bm, b)
+    release(bm, a)
+    filler = make_seq(list(range(100, 124)))   # 6 blocks: every free block but the 2 cached ones
+    assert admit(bm, filler)
+    assert not set(filler.block_table) & set(cached)   # b's duplicates went out first, a's stayed
+    release(bm, filler)
+    c = make_seq(prompt)
+    assert admit(bm, c)
+    assert c.num_computed_tokens == 2 * BS and c.block_table[:2] == cached
+    check_invariants(bm, [c])
+
+
 def test_revived_block_leaves_free_list():
     bm = BlockManager(num_blocks=4, block_size=BS)
     a = make_seq(list(range(1, 10)))       # 2 full + 1
