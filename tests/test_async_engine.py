@@ -211,6 +211,95 @@ def test_calls_in_one_tick_count_each_others_sequences_against_the_queue_limit(m
         engine.shutdown()
 
 
+def test_calls_in_one_tick_count_each_prompt_n_times_against_the_queue_limit(model_dir):
+    """As above, with n: a call of one prompt x n=3 queued behind the engine thread (parked in a
+    step) counts 3 sequences, so with the one waiting in the engine the limit of 4 is reached and the
+    next call is refused."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+    step, parked, go = llm.step, threading.Event(), threading.Event()
+
+    def parking_step():
+        parked.set()
+        go.wait()
+        return step()
+    llm.step = parking_step
+    engine = AsyncEngine(llm, max_queued_requests=4)
+
+    async def main():
+        first = engine.submit_all([[1]], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)])
+        await until(parked.is_set)
+        assert engine.stats["num_waiting"] == 1
+        three = engine.submit_all([[2]], [SamplingParams(n=3, seed=0, max_tokens=4, ignore_eos=True)])  # 1 + 3
+        with pytest.raises(QueueFull, match="4 sequences may wait .* 4 are waiting already"):
+            engine.submit_all([[9]], [GREEDY])
+        go.set()
+        return [u["finish_reason"] for call in (first, three) async for _, u in updates(call) if u["finished"]]
+    try:
+        assert asyncio.run(main()) == ["length"] * 4
+    finally:
+        go.set()
+        engine.shutdown()
+
+
+def test_the_engine_thread_feeds_the_engine_n_sequences_for_a_prompt_of_n(model_dir):
+    """max_num_seqs 2: of one call's prompts, the first, n=2, fills the engine's waiting room (it and
+    its fork), so the second, n=1, stays held by the engine thread; both count as waiting."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=2)
+    step, parked, go = llm.step, threading.Event(), threading.Event()
+
+    def parking_step():
+        parked.set()
+        go.wait()
+        return step()
+    llm.step = parking_step
+    engine = AsyncEngine(llm)
+
+    async def main():
+        call = engine.submit_all([[1, 2], [3, 4]], [SamplingParams(n=2, seed=0, max_tokens=4, ignore_eos=True),
+                                                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
+        await until(parked.is_set)  # (the snapshot before the step: what was fed, and what is held)
+        assert llm.stats()["num_waiting"] == 2 and engine.stats["num_waiting"] == 3
+        go.set()
+        return [u["finish_reason"] async for _, u in updates(call) if u["finished"]]
+    try:
+        assert asyncio.run(main()) == ["length"] * 3
+    finally:
+        go.set()
+        engine.shutdown()
+    assert all_blocks_free(llm)
+
+
+def test_a_held_request_counts_its_n_samples_as_waiting_and_against_the_limit(model_dir):
+    """max_num_seqs 1: one prompt runs, one waits in the engine, and an n=3 one is held by the engine
+    thread: 4 sequences wait (the server's num_requests_waiting), so with a limit of 5 an n=2 call is
+    refused and an n=1 one admitted; the n=3 one aborted while held, all 3 stop waiting."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+    engine = AsyncEngine(llm, max_queued_requests=5)
+    long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    three = SamplingParams(n=3, seed=0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        running = engine.submit_all([[1, 2]], [long])
+        await until(lambda: engine.stats["num_running"] == 1)
+        call = engine.submit_all([[3, 4], [5, 6]], [long, three])
+        await until(lambda: engine.stats["num_waiting"] > 0)  # (one snapshot counts both: fed, and held)
+        assert engine.stats["num_waiting"] == 4
+        with pytest.raises(QueueFull, match="4 are waiting already"):
+            engine.submit_all([[7]], [SamplingParams(n=2, seed=0)])
+        last = engine.submit_all([[7]], [GREEDY])  # 5: the limit
+        await until(lambda: engine.stats["num_waiting"] == 5)
+        engine.abort(call[1])
+        await until(lambda: engine.stats["num_waiting"] != 5)
+        assert engine.stats["num_waiting"] == 2
+        engine.abort_all()
+        return [u["finish_reason"] for c in (running, call[:1], last) async for _, u in updates(c) if u["finished"]]
+    try:
+        assert asyncio.run(main()) == ["abort"] * 3
+    finally:
+        engine.shutdown()
+    assert all_blocks_free(llm)
+
+
 def test_calls_are_admitted_in_turn(model_dir):
     """Fairness: a call of many prompts does not hold back a later call until all of them have
     run. The engine thread hands the engine the calls' requests in turn, keeping no more than
