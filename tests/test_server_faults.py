@@ -181,6 +181,23 @@ def test_every_mistake_is_a_400_naming_its_field(server, path, raw, param, words
     assert len(error["message"]) < 500, error
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "stop": [f"stop {i}" for i in range(16)]}),
+    ("/v1/chat/completions", {**CHAT, "stop": [f"stop {i}" for i in range(16)]}),
+    ("/v1/completions", {"prompt": "hi", "stop": "x" * 512}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 20}),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 20}),
+], ids=["16-stops", "chat-16-stops", "512-character-stop", "logprobs-20", "chat-top-logprobs-20"])
+def test_a_value_at_its_documented_maximum_is_served(server, path, body):
+    """The maxima the 400s above name are allowed: 16 stop strings, one of 512 characters, 20 logprobs."""
+    response = post(server, path, json.dumps({**body, "max_tokens": 2}).encode())
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, "functions"),
     ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
