@@ -80,6 +80,26 @@ def test_pp2_prompt_logprobs_equal_pp1(model_dir):
             assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
 
 
+def test_pp2_prompt_logprobs_of_a_step_cut_into_micro_batches_equal_pp1(model_dir):
+    """One prefill step of four prompts (320 tokens) cut into micro-batches of whole sequences:
+    each later micro-batch's prompt logprobs go to its own sequences (numbered in the step), as
+    with one stage."""
+    prompts = [[(7 * i + 3 * n) % 500 + 1 for i in range(n)] for n in (60, 70, 90, 100)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    expected = LLM(model_dir, max_model_len=256).generate(prompts, params, use_tqdm=False)
+    with LLM(model_dir, pipeline_parallel_size=2, max_model_len=256) as llm:
+        time_stages(llm.model_runner, True)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        times = stage_times(llm.model_runner)
+        time_stages(llm.model_runner, False)
+    assert times[0, 0, 4] >= 3  # (the prefill step's micro-batches: each holds whole sequences)
+    for prompt, mine_out, their_out in zip(prompts, got, expected, strict=True):
+        assert len(mine_out["prompt_logprobs"]) == len(prompt) and mine_out["prompt_logprobs"][0] is None
+        for mine, theirs in zip(mine_out["prompt_logprobs"][1:], their_out["prompt_logprobs"][1:], strict=True):
+            assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+        assert mine_out["token_ids"] == their_out["token_ids"]
+
+
 def test_each_stage_holds_and_sizes_only_its_layers(model_dir):
     """Half the layers a stage: half the KV bytes a block, so twice the blocks in the same budget
     (CPU_KV_CACHE_BYTES; max_num_seqs x max_model_len sequences would take more)."""
