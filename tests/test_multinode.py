@@ -6,11 +6,15 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from hf_reference import assert_greedy_matches_hf, assert_matches_hf_with_caching_chunking_and_preemption
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.distributed.nodes import gpu_index, local_ranks
+from nanovllm.distributed.options import check_gpus
 from test_tensor_parallel import child_pids
 
 NODE_TIMEOUT = 5  # seconds: the launches where a node never comes end within a few of these
@@ -123,6 +127,67 @@ def test_multinode_options_are_checked(model_dir, monkeypatch, options, message)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(ValueError, match=message):
         LLM(model_dir, device="cpu", **options)
+
+
+def nodes_config(model_dir, **options) -> Config:
+    return Config(model_dir, device="cpu", master_addr="127.0.0.1", master_port=29500, **options)
+
+
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=4, nnodes=2), dict(pipeline_parallel_size=2, nnodes=2),
+                                     dict(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=4),
+                                     dict(tensor_parallel_size=4, pipeline_parallel_size=2, nnodes=2)])
+def test_ranks_that_nnodes_divides_are_split_over_the_nodes(model_dir, options):
+    """world_size = tensor x pipeline ranks, world_size / nnodes on each node: more ranks than
+    nodes is the rule (TP=4 over 2 nodes, 2 ranks a node), and a rank a node is fine too."""
+    config = nodes_config(model_dir, **options)
+    local = config.world_size // config.nnodes
+    assert [list(local_ranks(config, k)) for k in range(config.nnodes)] == [
+        list(range(k * local, (k + 1) * local)) for k in range(config.nnodes)]
+
+
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=3, nnodes=2), dict(tensor_parallel_size=2, nnodes=4),
+                                     dict(tensor_parallel_size=4, nnodes=3), dict(pipeline_parallel_size=2, nnodes=4)])
+def test_ranks_that_nnodes_does_not_divide_are_refused(model_dir, options):
+    """(fewer ranks than nodes too: a node with no rank)"""
+    with pytest.raises(ValueError, match=r"ranks cannot be split over nnodes="):
+        nodes_config(model_dir, **options)
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(tensor_parallel_size=4, nnodes=2), [0, 1, 0, 1]),
+    (dict(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2), [0, 1, 0, 1]),
+    (dict(tensor_parallel_size=4, pipeline_parallel_size=2, nnodes=2), [0, 1, 2, 3, 0, 1, 2, 3]),
+    (dict(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=4), [0, 0, 0, 0]),
+])
+def test_a_rank_takes_the_gpu_of_its_place_on_its_node(model_dir, options, expected):
+    """Node k's ranks take cuda:0 .. cuda:local-1 of node k (rank_main's group's local_rank: the
+    runner's device), not cuda:rank: rank 2 of TP=4 over 2 nodes is node 1's first, on its GPU 0."""
+    config = nodes_config(model_dir, **options)
+    assert [gpu_index(config, rank) for rank in range(config.world_size)] == expected
+    for k in range(config.nnodes):
+        assert [gpu_index(config, rank) for rank in local_ranks(config, k)] == list(range(len(expected) // config.nnodes))
+
+
+@pytest.mark.parametrize("visible, ok", [(2, True), (1, False), (4, True)])
+def test_each_node_needs_a_gpu_for_each_of_its_own_ranks(monkeypatch, visible, ok):
+    """TP=4 over 2 nodes needs 2 GPUs a node (its ranks), not 4 (the world's): exactly 2 will do."""
+    monkeypatch.setattr("torch.cuda.device_count", lambda: visible)
+    config = SimpleNamespace(device="cuda", world_size=4, nnodes=2, tensor_parallel_size=4, pipeline_parallel_size=1)
+    if ok:
+        check_gpus(config)
+    else:
+        with pytest.raises(ValueError, match=r"over nnodes=2 needs 2 GPUs on each node; 1 are visible"):
+            check_gpus(config)
+
+
+@pytest.mark.parametrize("port, ok", [(1, True), (65535, True), (0, False), (65536, False)])
+def test_master_port_is_1_to_65535(model_dir, port, ok):
+    if ok:
+        assert Config(model_dir, device="cpu", tensor_parallel_size=2, nnodes=2, master_addr="a",
+                      master_port=port).master_port == port
+    else:
+        with pytest.raises(ValueError, match=rf"needs master_port \(a free port on node 0, 1-65535.*got {port}"):
+            Config(model_dir, device="cpu", tensor_parallel_size=2, nnodes=2, master_addr="a", master_port=port)
 
 
 def test_a_node_that_dies_mid_run_ends_the_engine_and_every_process(model_dir):

@@ -63,6 +63,12 @@ def local_ranks(config: "Config", node_rank: int) -> range:
     return range(node_rank * local, (node_rank + 1) * local)
 
 
+def gpu_index(config: "Config", rank: int) -> int:
+    """The GPU a rank takes on its node (cuda:gpu_index; its group's local_rank): its place among
+    the node's ranks (local_ranks), not its rank in the world."""
+    return rank % (config.world_size // config.nnodes)
+
+
 def open_store(config: "Config", is_master: bool) -> dist.TCPStore:
     """Node 0's store (is_master), or a connection to it; under torchrun its agent's store, which
     already listens at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE)."""
@@ -165,7 +171,7 @@ def rank_main(config: "Config", runner_class: type, rank: int):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (rank 0 decides)
     store = open_store(config, is_master=False)
     size = config.world_size
-    group = make_group(dist.PrefixStore("tp", store), rank, config, local_rank=rank % (size // config.nnodes))
+    group = make_group(dist.PrefixStore("tp", store), rank, config, local_rank=gpu_index(config, rank))
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, CONTROL_TIMEOUT)
     runner = runner_class(config, group)
     while (message := receive(control)) is not None:
