@@ -18,7 +18,7 @@ Why it is built so. The first try (an H200, 2026-12-04) spent most of its boxes 
 - Each step has a time box: SIGALRM in its process ends it (StepTimeout). A group's process gets
   its steps' boxes plus GROUP_START_S; past that it is sent SIGINT, then SIGKILL, and this driver
   writes the rows its steps did not (TIME for the one running, SKIP for those not reached).
-- The record, RECORD_DIR/<date>-<gpu>.md: the GPU, driver, versions, commit and mode at the top,
+- The record, RECORD_DIR/<date>-<time>-<gpu>.md: the GPU, driver, versions, commit and mode at the top,
   then a table row a step (step, verdict, figure, seconds) appended and fsynced as the step ends,
   so a run cut off anywhere keeps every finished step; at the end the table is printed (at most
   MAX_SUMMARY_LINES lines). Every step's full result goes to the .jsonl of the same name. On the
