@@ -50,6 +50,7 @@ ENFORCED = [
      ["-1.6", "2.5", "3e0", "2.5000001"]),
     ({"type": "integer", "multipleOf": 3}, ["0", "9", "-3"], ["1", "10"]),
     ({"type": "integer", "multipleOf": 7, "exclusiveMinimum": -1, "maximum": 9999}, ["0", "7", "9996"], ["8", "-7"]),
+    ({"type": "integer", "multipleOf": 1024}, ["0", "2048", "-1024"], ["1", "1025", "512"]),  # (MULTIPLE_OF_MAX)
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"日本語"'], ['"a"', '"abcd"', '"😀"']),
     ({"type": "string", "pattern": "^[a-c]+x?$"}, ['"abx"', '"c"'], ['"d"', '"ax x"', '""']),
     ({"type": "string", "format": "date"}, ['"2024-02-29"'], ['"yesterday"']),
@@ -99,6 +100,7 @@ def test_keywords_xgrammar_enforces_pass_and_hold(accepts, schema, allowed, refu
 # (schema, the keyword refused, where, a text that breaks the schema and that xgrammar alone takes).
 REFUSED = [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "", "[1, 1]"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 2}, "uniqueItems", "", "[1, 1]"),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}}, "contains", "", "[2]"),
     ({"type": "array", "items": {"type": "integer"}, "minContains": 2, "contains": {"const": 1}},
      "minContains", "", "[1, 2]"),
@@ -135,6 +137,11 @@ REFUSED = [
     ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 1}, "maxLength", "", '"ab"'),
     ({"anyOf": [{"type": "string"}, {"type": "integer"}], "type": "string"}, "type", "", "1"),
     ({"enum": [1, 2], "maximum": 1}, "maximum", "", "2"),
+    # a second dispatcher beside the first: xgrammar reads the first only
+    ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "anyOf": [{"type": "string", "maxLength": 1}]},
+     "anyOf", "", '"ab"'),
+    ({"const": 1, "enum": [2]}, "enum", "", "1"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "integer", "minimum": 0}]}, "oneOf", "", "1"),
     ({"type": "object", "propertyNames": {"anyOf": [{"maxLength": 1}]}, "additionalProperties": {"type": "null"}},
      "maxLength", "/propertyNames/anyOf/0", '{"ab": null}'),
     ({"$defs": {"t": {"type": "array", "uniqueItems": True, "items": {"type": "null"}}},
@@ -149,6 +156,8 @@ REFUSED = [
     ({"type": "object", "properties": {"a": {"$id": "inner", "type": "null"}}}, "$id", "/properties/a", None),
     ({"$ref": "https://example.com/s.json"}, "$ref", "", None),
     ({"const": 12345678901234567890}, "const", "", "1.2345678901234567e+19"),
+    ({"const": 2**63}, "const", "", None),  # (the first integer past 64 bits each way)
+    ({"enum": [-2**63 - 1]}, "enum", "", "-9.223372036854776e+18"),
     ({"type": "array", "items": {"enum": [1, {"k": [-2**64]}]}}, "enum", "/items", None),
 ]
 
