@@ -6,7 +6,9 @@
                 MASTER_PORT as torchrun sets them) and take each step's call by broadcast.
   pipeline.py   pipeline parallelism: PipelineRunner runs one stage's layers, micro-batch by
                 micro-batch, hidden states passed point to point; stages.py: its groups, layer
-                split, micro-batches and clock (and Config's checks of it).
+                split, micro-batches and clock.
+  options.py    Config's checks of the parallel options (tensor, pipeline, nodes); it imports
+                nothing of nanovllm, so Config calls it with no import cycle.
   data_parallel.py  replicas of the whole engine, each a process, behind one front that the
                 server calls (`nanovllm serve --data-parallel-size N`); router.py: which replica
                 runs a prompt (by its prefix, or round robin).
@@ -14,6 +16,6 @@
                 pulls each prompt's K/V over send/recv and serves them from its prefix cache.
 
 Entered through engine/workers.py's start_workers (nnodes > 1) and make_group (stages.py), the
-engine's choice of runner (pipeline_parallel_size > 1), Config's checks of the options and the
+engine's choice of runner (pipeline_parallel_size > 1), Config's checks of the options (options.py) and the
 server's choice of engine (data parallelism); a single-GPU engine imports none of it.
 """
