@@ -194,3 +194,33 @@ def test_a_required_tool_whose_parameters_use_defs(client):
                                              tool_choice={"type": "function", "function": {"name": "visit"}},
                                              max_tokens=200)
         check_calls(out.choices[0].message.tool_calls, {"visit": parameters})
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # (JSON nested far past Python's recursion limit: json.loads raises RecursionError)
+
+
+@pytest.mark.parametrize("bad", [f"<tool_call>{DEEP}</tool_call>",
+                                 f'<tool_call>{{"name": "f", "arguments": "{DEEP}"}}</tool_call>'],
+                         ids=["block", "arguments"])
+def test_a_call_nested_past_the_recursion_limit_stays_in_the_content(bad):
+    """A block (or its arguments' JSON text) nested too deeply to parse is no call, as one that
+    is not JSON: it stays in the text, the good call beside it is still a call; and the chat
+    endpoint's message and its stream end as for any text (not a 500, nor a stream cut before [DONE])."""
+    from nanovllm.entrypoints.api_server import ChatChoices
+    from nanovllm.entrypoints.protocol import ChatCompletionRequest
+    parser = HermesToolParser()
+    assert parser.parse(bad) == (bad, [])
+    good = '<tool_call>{"name": "g", "arguments": {"a": 1}}</tool_call>'
+    content, calls = parser.parse(f"{good}\n{bad}")
+    assert content == f"\n{bad}" and [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"a": 1})]
+
+    def choices():
+        request = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS})
+        request.use_parsers(HermesToolParser())
+        return ChatChoices([], request, NAME, None)
+    whole, finish_reason = choices().final(bad, "stop")
+    assert whole["message"]["content"] == bad and "tool_calls" not in whole["message"] and finish_reason == "stop"
+    stream = choices()
+    pieces = [stream.stream_piece(0, bad[:50], False, None), stream.stream_piece(0, bad[50:], True, "stop")]
+    assert "".join(text for text, _, _ in pieces) == bad
+    assert not any(extra.get("tool_calls") for _, extra, _ in pieces) and pieces[-1][2] == "stop"
