@@ -621,3 +621,36 @@ def test_swap_preemption_writes_a_victims_cached_blocks_back_at_once():
     offloads, _ = bm.take_copies()
     assert sorted(offloads[:, 0].tolist()) == sorted(blocks) and bm.host.num_used == 2
     assert all(h in bm.hash_to_block for h in bm.host.entries)     # on both tiers until the device reuses them
+
+
+def test_a_block_whose_key_another_block_took_goes_out_before_the_cached_ones(monkeypatch):
+    """A running sequence's block stops being the one a lookup finds when a hit from the host tier
+    publishes another block under its key (a key collision: a hash that forgets the prefix makes
+    T after A and T after B one key; the host holds T after B). Freed, that block can serve no hit:
+    it goes out first, before every block a lookup can still find."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)))
+    bm = host_manager(num_blocks=6, num_host_blocks=4)
+    first, second, shared = [1] * 4, [2] * 4, [3] * 4
+    b = make_seq(second + shared + [9])
+    assert bm.allocate(b) == 0
+    bm.cache_full_blocks(b, 9)
+    bm.free_blocks(b)
+    hog = make_seq(list(range(100, 124)))                    # every block: b's two go to the host
+    assert bm.allocate(hog) == 0
+    bm.take_copies()
+    bm.free_blocks(hog)
+    a = make_seq(first + shared + [8])                      # runs: its `shared` block takes the key
+    assert bm.allocate(a) == 0
+    bm.cache_full_blocks(a, 9)
+    c = make_seq(second + shared + [7])                      # both from the host: `shared` collides on the device
+    assert bm.allocate(c) == 8
+    bm.take_copies()
+    unfindable = {a.block_table[1], a.block_table[2], c.block_table[2]}
+    bm.free_blocks(c)
+    bm.free_blocks(a)                                        # a's `shared` block: its key is c's now
+    filler = make_seq(list(range(200, 212)))                # 3 blocks
+    assert bm.allocate(filler) == 0
+    assert set(filler.block_table) == unfindable and bm.take_copies() == (None, None)   # (no cached one evicted)
+    again = make_seq(second + shared + [5])
+    bm.free_blocks(filler)
+    assert bm.allocate(again) == 8 and bm.take_copies() == (None, None) and bm.num_host_hit_tokens == 8
