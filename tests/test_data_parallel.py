@@ -261,14 +261,21 @@ def test_the_front_counts_samples_caps_the_queue_and_aborts_on_the_replicas(mode
 
 # ---- the front over replicas the test plays (their ends of the pipes, no processes) ---------------
 class PlayedProcess:
-    """A played replica's process: joining it closes the replica's end of its pipe, as an exit does."""
+    """A played replica's process: exiting closes the replica's end of its pipe; joining it exits it."""
     pid, exitcode = 0, 0
 
     def __init__(self, end):
+        import threading
         self.end = end
+        self._closing = threading.Lock()  # the test and the front's reader thread may both close the end
+
+    def exit(self):
+        with self._closing:
+            if not self.end.closed:
+                self.end.close()
 
     def join(self, timeout=None):
-        self.end.close()
+        self.exit()
 
     def is_alive(self) -> bool:
         return False
@@ -455,7 +462,7 @@ def test_the_fronts_metrics_keep_a_dead_replicas_counts_but_not_its_gauges(playe
     ends[1].send([("stats", replica_stats(num_running=3, kv_cache_usage=0.25, num_cached_tokens=7))])
     assert wait_for(lambda: metric("num_requests_running") == 5, timeout=10)
     assert metric("kv_cache_usage_perc") == 0.375 and metric("prefix_cache_hit_tokens_total") == 17
-    ends[1].close()  # replica 1 dies
+    engine.replicas[1].process.exit()  # replica 1 dies
     assert wait_for(lambda: metric("replica_up", "1") == 0, timeout=10)
     assert (metric("num_requests_running"), metric("kv_cache_usage_perc"), metric("prefix_cache_hit_tokens_total"),
             metric("replica_num_requests_running", "1"), metric("replica_up", "0")) == (2, 0.5, 17, 0, 1)
