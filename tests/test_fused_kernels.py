@@ -23,11 +23,11 @@ BF16_RTOL = 2 ** -5 if INTERPRETED else 2 ** -6
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=BF16_RTOL, atol=1e-5)}
 
 
-def norm_pair(dim: int, dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm]:
-    """The PyTorch RMSNorm and the fused one, with the same (non-trivial) weight."""
+def norm_pair(dim: int, dtype: torch.dtype, seed: int = 1) -> tuple[RMSNorm, RMSNorm]:
+    """The PyTorch RMSNorm and the fused one, with the same (non-trivial) weight, drawn from seed."""
     reference, fused = RMSNorm(dim, eps=1e-6).to(DEVICE, dtype), RMSNorm(dim, eps=1e-6).to(DEVICE, dtype)
     fused.kernels = fused_triton
-    weight = torch.randn(dim, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    weight = torch.randn(dim, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
     reference.weight.data.copy_(weight)
     fused.weight.data.copy_(weight)
     return reference, fused
@@ -81,7 +81,8 @@ def test_qk_norm_rope_equals_the_modules(dtype, qk_norm, head_dim, heads, kv_hea
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.tensor([0, 7, 3, 99, 12], device=DEVICE)
     rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    norms = [norm_pair(head_dim, dtype) for _ in range(2)] if qk_norm else [(None, None)] * 2
+    # q_norm and k_norm with different weights, so k normalized by q_norm's weight (or q by k's) differs
+    norms = [norm_pair(head_dim, dtype, seed) for seed in (1, 2)] if qk_norm else [(None, None)] * 2
     q_ref, k_ref = rope(positions, q, k, norms[0][0], norms[1][0])
     rope.kernels = fused_triton
     q_out, k_out = rope(positions, q, k, norms[0][1], norms[1][1])

@@ -379,6 +379,9 @@ def test_plan_contract():
     assert split_k.plan(64, 4096, 4096, (wide, narrow), sms) == (wide, 9)        # 32 x 9 = 288
     assert split_k.plan(64, 1024, 1024, (wide, narrow), sms) == (narrow, 4)      # 8 x 4 short; 32 x 4 = 128
     assert split_k.plan(512, 4096, 1024, (wide, narrow), sms) == (narrow, 1)     # 256 unsplit, then 1024
+    # exactly PROGRAMS_PER_SM per SM is enough: the wide option is taken, not passed over
+    assert split_k.plan(64, 264 * 128, 4096, (wide, narrow), sms) == (wide, 1)   # 264 programs unsplit
+    assert split_k.plan(64, 66 * 128, 4096, (wide, narrow), sms) == (wide, 4)    # 66 x 4 = 264
     assert split_k.split_k_for(131, 1 << 16, 128, sms) == 3                       # one SM idle: split
     assert split_k.split_k_for(132, 1 << 16, 128, sms) == 1                       # every SM busy
     assert split_k.split_k_for(1, 3 * 128, 128, sms) == 1                         # 3 K tiles: too few to split
