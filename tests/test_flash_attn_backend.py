@@ -103,3 +103,51 @@ def test_fp8_kv_cache_is_refused(fake_flash_attn, model_dir):
     per-layer scales is a clear error at start-up, naming what works instead."""
     with pytest.raises(ValueError, match="cannot read an fp8 KV cache.*'triton' or 'torch', or kv_cache_dtype='auto'"):
         LLM(model_dir, attention_backend="flash_attn", kv_cache_dtype="fp8")
+
+
+# In a fresh interpreter (this one's Triton mode is whatever an earlier test picked): the backend
+# get_backend gives for CUDA and for CPU, and which elementwise kernels each hands the model.
+SELECTION = """
+import json, sys
+from nanovllm.layers.backends import get_backend
+from nanovllm.layers.backends.flash_attn import FlashAttnBackend
+try:
+    cuda = get_backend("flash_attn", "cuda")
+except ValueError as e:
+    print(json.dumps({"error": str(e)})); sys.exit()
+from nanovllm.layers import fused_triton
+print(json.dumps({"fused": cuda.elementwise is fused_triton, "subclass": issubclass(cuda, FlashAttnBackend),
+                  "same_forward": cuda.forward is FlashAttnBackend.forward, "cached": get_backend("flash_attn", "cuda") is cuda,
+                  "kind": type(fused_triton._rms_norm_kernel).__name__,
+                  "cpu_unfused": get_backend("flash_attn", "cpu").elementwise is None}))
+"""
+
+
+def backend_selection(interpret: bool) -> dict:
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([FAKE, os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+        code = "import triton\n" + SELECTION  # (the interpreter picked before the backend asks)
+    else:
+        code = SELECTION
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_flash_attn_on_cuda_runs_the_fused_elementwise_kernels():
+    """On CUDA the flash-attn path hands the model the compiled fused RMSNorm, SiLU-and-mul and
+    q/k-norm + RoPE kernels (the Triton backend's), its attention unchanged; on CPU PyTorch's ops."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    got = backend_selection(interpret=False)
+    assert got == {"fused": True, "subclass": True, "same_forward": True, "cached": True, "kind": "JITFunction",
+                   "cpu_unfused": True}
+
+
+def test_flash_attn_on_cuda_in_an_interpreted_process_is_a_clear_error():
+    pytest.importorskip("triton", reason="triton is not installed")
+    got = backend_selection(interpret=True)
+    assert "attention_backend='flash_attn' on device='cuda' needs compiled Triton kernels" in got["error"]

@@ -106,12 +106,16 @@ def test_empty_batches_and_bad_layouts():
 
 @pytest.mark.skipif(not INTERPRETED, reason="an engine on CPU")
 def test_the_triton_backend_builds_the_model_with_the_fused_kernels(model_dir):
-    """(Its outputs equal Hugging Face's: test_triton_backend.py's engine test runs this path.)"""
+    """The target and its draft model alike. (Their outputs equal Hugging Face's: test_triton_backend.py's
+    engine and speculative tests run this path.)"""
     from nanovllm import LLM
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    draft = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 1}
     for backend, kernels in (("triton", fused_triton), ("torch", None)):
-        with LLM(model_dir, device="cpu", attention_backend=backend, max_model_len=64) as llm:
-            modules = list(llm.model_runner.model.modules())
-            norms = [m for m in modules if isinstance(m, RMSNorm)]
-            assert norms and all(m.kernels is kernels for m in norms)
-            assert all(m.kernels is kernels for m in modules if isinstance(m, (SiluAndMul, RotaryEmbedding)))
+        with LLM(model_dir, device="cpu", attention_backend=backend, max_model_len=64, speculative_config=draft) as llm:
+            for model in (llm.model_runner.model, llm.model_runner.drafter.model):
+                modules = list(model.modules())
+                norms = [m for m in modules if isinstance(m, RMSNorm)]
+                assert norms and all(m.kernels is kernels for m in norms)
+                elementwise = [m for m in modules if isinstance(m, (SiluAndMul, RotaryEmbedding))]
+                assert elementwise and all(m.kernels is kernels for m in elementwise)

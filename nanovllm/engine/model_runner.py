@@ -11,12 +11,9 @@ from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.step_inputs import MAX_GRAPH_BATCH, gather_inputs, graph_batch_sizes, padded_batch_size
 from nanovllm.engine.step_batch import StepBatch
-from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
+from nanovllm.layers.attention import bind_backend, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.backends import get_backend
-from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import quantization_scope
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import resolve_model_class
 from nanovllm.utils.context import Context, default_dtype_and_device, forward_context, to_device
@@ -164,11 +161,10 @@ class ModelRunner:
 
     def _load(self, config: Config):
         """The device, the model with its weights and attention backend, the sampler, the tables."""
-        if config.device == "cuda":
-            self.device = torch.device("cuda", self.group.local_rank if self.group is not None else 0)
+        index = (self.group.local_rank if self.group is not None else 0) if config.device == "cuda" else None
+        self.device = torch.device(config.device, index)
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
         self.model = self._build_model(resolve_model_class(config.hf_config, config.max_model_len))
         start = perf_counter()
         if config.load_format == "dummy":
@@ -178,20 +174,13 @@ class ModelRunner:
             load_model(self.model, config.model, show_progress=self.rank == 0)
         if self.rank == 0:
             logger.info("Loading weights (load_format=%s) took %.2f s", config.load_format, perf_counter() - start)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_backend(config.attention_backend, config.device)
-        for layer in self.attention_layers:
-            layer.backend = backend
-        for module in self.model.modules():  # the backend's fused kernels, if its path has them
-            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
-                module.kernels = backend.elementwise
+        self.attention_layers = bind_backend(self.model, get_backend(config.attention_backend, config.device))
         self.sampler = Sampler()
         self.scratch_row = config.max_num_seqs
-        self.token_table = torch.zeros(config.max_num_seqs + 1, config.max_model_len, dtype=torch.int32,
-                                       device=self.device)
-        self.block_tables = torch.zeros(config.max_num_seqs + 1, config.max_blocks_per_seq, dtype=torch.int32,
-                                        device=self.device)
-        self.arange = np.arange(config.max_num_seqs + 1)  # (read-only: prepare() slices it)
+        rows = config.max_num_seqs + 1  # (the last: scratch_row)
+        self.token_table = torch.zeros(rows, config.max_model_len, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.zeros(rows, config.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self.arange = np.arange(rows)  # (read-only: prepare() slices it)
         # The torch backend loops over sequences on the host: it cannot be captured.
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and config.attention_backend != "torch"
         # The CUDA-graph ladder, eager steps included: they record the size they pad to (Context.padded_batch).

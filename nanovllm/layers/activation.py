@@ -5,7 +5,7 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     """[..., 2d] -> [..., d]: silu(gate) * up, the two halves of a merged gate/up projection."""
-    kernels = None  # the fused kernels (layers/fused_triton.py) where the model runner binds them
+    kernels = None  # the fused kernels (layers/fused_triton.py) where attention.bind_backend binds them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

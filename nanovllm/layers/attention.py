@@ -55,6 +55,17 @@ def kv_scale() -> nn.Parameter:
     return scale
 
 
+def bind_backend(model: nn.Module, backend) -> list[Attention]:
+    """Hand the model's Attention layers the backend, and each module with a `kernels` slot (RMSNorm,
+    SiluAndMul, RotaryEmbedding) its fused kernels (backend.elementwise; None: PyTorch's ops)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+        elif hasattr(type(module), "kernels"):
+            module.kernels = backend.elementwise
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block of a model with these attention layers, in the cache's dtype (Config.kv_dtype)."""
     per_token = 2 * len(layers) * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize

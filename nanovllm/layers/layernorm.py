@@ -5,7 +5,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / rms(x) * weight, computed in float32. With `residual`, first x += residual and return
     (y, x): the pre-norm transformer's residual stream travels alongside the normalized output."""
-    kernels = None  # the fused kernels (layers/fused_triton.py) where the model runner binds them
+    kernels = None  # the fused kernels (layers/fused_triton.py) where attention.bind_backend binds them
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

@@ -71,7 +71,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """RoPE with a cos/sin table precomputed for every position up to max_position.
     `params` is `rope_parameters(config)`; one instance serves every layer of a model."""
-    kernels = None  # the fused kernels (layers/fused_triton.py) where the model runner binds them
+    kernels = None  # the fused kernels (layers/fused_triton.py) where attention.bind_backend binds them
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()

@@ -25,7 +25,7 @@ from nanovllm.config import Config
 from nanovllm.engine.batch_state import Need, SamplingInputs
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step_batch import StepBatch
-from nanovllm.layers.attention import Attention, bind_kv_cache, kv_block_bytes
+from nanovllm.layers.attention import bind_backend, bind_kv_cache, kv_block_bytes
 from nanovllm.layers.linear import quantization_scope
 from nanovllm.layers.quantization import QuantizationConfig
 from nanovllm.features.speculative.rejection_sampler import DRAFT_SALT, target_probs
@@ -80,9 +80,7 @@ class DraftModel:
             load_model(self.model, config.speculative.model, show_progress=False)
         if hf_config.vocab_size < config.hf_config.vocab_size:
             self.model = ClampedInputs(self.model, hf_config.vocab_size)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attention_layers:
-            layer.backend = backend  # (the target's)
+        self.attention_layers = bind_backend(self.model, backend)  # (the target's, fused kernels too)
         self.vocab_size = config.hf_config.vocab_size  # the target's: q is over its token ids
         self.kv_cache = None
         self.graphs: DecodeGraphs | None = None

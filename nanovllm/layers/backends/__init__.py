@@ -1,7 +1,7 @@
 """Attention backends: one interface, chosen once at start-up.
 
 A backend is a class with two static methods, and `elementwise`: the module of fused RMSNorm and
-SiLU-and-mul kernels its path runs (layers/fused_triton.py for triton's; None: PyTorch's ops):
+SiLU-and-mul kernels its path runs (layers/fused_triton.py for triton's and CUDA flash_attn's; None: torch's):
   store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
       write the step's new K/V ([T, Hkv, D]) into the paged cache ([num_blocks, block_size, Hkv, D])
   forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale) -> [T, H, D]
@@ -56,7 +56,7 @@ def resolve_backend(name: str | None, device: str, fp8_kv: bool = False) -> str:
 def get_backend(name: str, device: str):
     if name == "flash_attn":  # (imported here: flash-attn is an optional package)
         from nanovllm.layers.backends.flash_attn import FlashAttnBackend
-        return FlashAttnBackend
+        return FlashAttnBackend.on(device)
     if name == "triton":
         # Interpreted on CPU, compiled on CUDA: one mode per process, an engine needing the other one is
         # refused (utils/triton_mode.py, loaded here: the torch backend needs no Triton)

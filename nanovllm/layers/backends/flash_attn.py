@@ -5,6 +5,9 @@ It reads the paged cache in pages of 256 tokens, hence block_size % 256 == 0 (Co
 K/V in the query's dtype only (no kv_cache_dtype="fp8"). Its causal masks are aligned to the bottom
 right (query j of n sees keys up to L - n + j), as ours.
 """
+import functools
+import importlib.util
+
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from nanovllm.layers.backends.torch_ref import TorchBackend
@@ -12,8 +15,21 @@ from nanovllm.utils.context import Context
 
 
 class FlashAttnBackend:
-    elementwise = None  # (PyTorch's: its tests run on CPU with a fake flash_attn, whatever Triton's mode)
+    elementwise = None  # PyTorch's ops; on(device) gives CUDA our fused kernels
     store_kv = staticmethod(TorchBackend.store_kv)  # an index_put; flash-attn has no store kernel
+
+    @classmethod
+    @functools.cache
+    def on(cls, device: str) -> type:
+        """The backend for device: on CUDA, where Triton is installed, with layers/fused_triton.py's
+        fused RMSNorm (+ residual), SiLU-and-mul and q/k-norm + RoPE kernels, compiled, as the Triton
+        backend has (one launch each where PyTorch's ops take several); elsewhere PyTorch's ops (on
+        CPU flash_attn is only the tests' fake, and its engines run in either Triton mode)."""
+        if device != "cuda" or importlib.util.find_spec("triton") is None:
+            return cls
+        from nanovllm.utils.triton_mode import import_kernels
+        fused = import_kernels("nanovllm.layers.fused_triton", device, "attention_backend='flash_attn'")
+        return type(f"{cls.__name__}Fused", (cls,), {"elementwise": fused})
 
     @staticmethod
     def forward(q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
