@@ -49,6 +49,21 @@ PRESETS = {
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
                            num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096,
                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
+    # Gemma 3 1B exactly (google/gemma-3-1b-it's config.json), bf16: 5 local layers (window 512) to 1 global.
+    # Sliding-window layers run on attention_backend="torch" only so far (layers/sliding_window.py).
+    "gemma-3-1b": dict(architecture="Gemma3ForCausalLM", config_class="Gemma3TextConfig", vocab_size=262144,
+                       hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+                       sliding_window_pattern=6, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                       tie_word_embeddings=True, dtype="bfloat16"),
+    # its shape at toy size (window 64, one global layer of 3), for a CPU smoke run
+    "gemma3-tiny": dict(architecture="Gemma3ForCausalLM", config_class="Gemma3TextConfig", vocab_size=16384,
+                        hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=64,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
 }
 # Quantized shapes: each preset above as a block-quantized FP8 checkpoint (Qwen3-*-FP8's config)
 # and an AWQ int4 one (Qwen3-*-AWQ's); their dummy weights are random codes and scales.
@@ -96,8 +111,9 @@ def write_dummy_config(preset: str) -> str:
     import transformers
     settings = dict(PRESETS[preset])
     architecture = settings.pop("architecture", "Qwen3ForCausalLM")
+    config_class = settings.pop("config_class", architecture.replace("ForCausalLM", "Config"))
     path = tempfile.mkdtemp(prefix=f"nanovllm-{preset}-")
-    config = getattr(transformers, architecture.replace("ForCausalLM", "Config"))(**settings)
+    config = getattr(transformers, config_class)(**settings)
     config.architectures = [architecture]
     config.save_pretrained(path)
     return path

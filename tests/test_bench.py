@@ -24,6 +24,23 @@ def test_small_vocab_keeps_the_stream():
     assert max_tokens == full_max and prompts == [[t % 1000 for t in p] for p in full]
 
 
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "gemma-3-1b"])
+def test_gemma3_presets(preset):
+    """gemma-3-1b is Gemma 3 1B's shape (26 layers, every sixth global, window 512); gemma3-tiny runs
+    on CPU, with prompts longer than its window of 64."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(bench.write_dummy_config(preset))
+    assert type(config).__name__ == "Gemma3TextConfig" and config.architectures == ["Gemma3ForCausalLM"]
+    if preset == "gemma-3-1b":
+        assert config.layer_types.count("full_attention") == 4 and config.layer_types[5] == "full_attention"
+        assert (config.sliding_window, config.hidden_size, config.vocab_size) == (512, 1152, 262144)
+        return
+    result = bench.main(["--dummy", preset, "--num-seqs", "4", "--min-input-len", "80", "--max-input-len", "120",
+                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "256"])
+    _, max_tokens = bench.make_workload(4, 80, 120, 4, 8, 0, 16384)
+    assert result["output_tokens"] == sum(max_tokens)
+
+
 def test_cpu_smoke_run_with_hf_baseline(capsys):
     result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
                          "--min-output-len", "8", "--max-output-len", "32", "--device", "cpu", "--max-model-len", "256",

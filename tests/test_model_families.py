@@ -109,7 +109,7 @@ def edited_copy(src, dst, **changes):
 def test_unsupported_architecture(family_dir, tmp_path):
     folder = edited_copy(family_dir("mistral"), tmp_path / "fancy", architectures=["FancyNewForCausalLM"])
     with pytest.raises(ValueError, match=r"unsupported model architecture 'FancyNewForCausalLM'; supported: "
-                                         r"\['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
+                                         r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
                                          r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         LLM(folder)
 

@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 REGISTRY = {  # architecture -> its module under nanovllm.models
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
 }
 
 
@@ -16,10 +17,9 @@ def resolve_model_class(hf_config: PretrainedConfig, max_model_len: int | None =
     architectures = getattr(hf_config, "architectures", None) or []
     if isinstance(architectures, str):  # a hand-written config.json may give one name, not a list
         architectures = [architectures]
-    if not architectures or architectures[0] not in REGISTRY:
-        name = architectures[0] if architectures else None
+    name = architectures[0] if architectures else None
+    if name not in REGISTRY:
         raise ValueError(f"unsupported model architecture {name!r}; supported: {sorted(REGISTRY)}")
-    module = importlib.import_module(f"nanovllm.models.{REGISTRY[architectures[0]]}")
-    model_class = getattr(module, architectures[0])
+    model_class = getattr(importlib.import_module(f"nanovllm.models.{REGISTRY[name]}"), name)
     model_class.check_config(hf_config, max_model_len)
     return model_class

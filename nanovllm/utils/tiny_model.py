@@ -67,6 +67,8 @@ FAMILIES = {
     # mixtures of experts: 4 experts, 2 per token (Qwen3-MoE's experts moe_intermediate_size wide)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    # local (sliding-window) and global attention layers, (1 + w) norms, tied head (Gemma3TextConfig's defaults)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
                 "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
@@ -98,9 +100,11 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
     config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():  # transformers zeroes biases at init, which would leave their code paths untested
+    # transformers zeroes biases, and Gemma's (1 + w) norm weights, at init, which would leave their
+    # code paths untested (other families' norm weights start at 1: kept)
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or (name.endswith("norm.weight") and not param.any()):
                 param.normal_(0.0, config.initializer_range)
     model.save_pretrained(path)
     return path

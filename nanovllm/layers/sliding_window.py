@@ -1,0 +1,97 @@
+"""Sliding-window attention (Gemma 3's local layers): query at position p sees the keys at positions
+p - window + 1 .. p, `window` tokens itself included, as transformers' sliding_window_overlay
+(kv_idx > q_idx - window) on top of the causal mask.
+
+A SlidingWindowAttention layer is an Attention whose backend, when the model runner binds one,
+is swapped for a windowed one: it stores K/V as the backend does and attends over the window
+alone, reading only the blocks that hold it. Prefix caching, chunked prefill and preemption need
+nothing more: a query's window is found from its position in the context (seq_lens_k and the
+block table), whoever computed the blocks before. The KV cache keeps every block of a sequence
+(its full-attention layers need them); a layer group that hands the blocks out of the window back
+to the pool is the next step (issue 48, item 1).
+
+Only the torch backend has the window so far: the Triton kernel and flash-attn's window_size are
+not wired in, and a model with such layers on another backend is refused at start-up.
+"""
+import torch
+
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, TorchBackend, dequantize_kv, quantize_kv
+from nanovllm.utils.context import Context
+
+
+def gather_span(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """A sequence's cached tokens start .. end - 1, [end - start, Hkv, D], reading only their blocks."""
+    block_size = cache.shape[1]
+    first, last = start // block_size, -(-end // block_size)
+    span = cache[block_table[first:last]].flatten(0, 1)
+    return span[start - first * block_size:end - first * block_size]
+
+
+def windowed_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+                    length: int) -> torch.Tensor:
+    """The last n = len(q) queries of a context of `length` tokens over its keys length - len(k) ..
+    length - 1 (k, v [len(k), Hkv, D]: at least the window of the first query): query i, at
+    position length - n + i, sees keys at positions within window - 1 before it, and itself."""
+    n = q.shape[0]
+    query_pos = torch.arange(length - n, length, device=q.device)[:, None]
+    key_pos = torch.arange(length - k.shape[0], length, device=q.device)[None, :]
+    mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+class WindowedTorchBackend:
+    """The torch backend with a window: TorchBackend's store, attention over each query's window."""
+    elementwise = None
+    store_kv = staticmethod(TorchBackend.store_kv)
+
+    def __init__(self, window: int):
+        self.window = window
+
+    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
+        out = torch.empty_like(q)
+        fp8 = k_cache is not None and k_cache.dtype == FP8_KV_DTYPE
+        if fp8 and context.block_tables is None:  # what the cache holds for them (torch_ref.py says why)
+            k = dequantize_kv(quantize_kv(k, k_scale), k_scale, q.dtype)
+            v = dequantize_kv(quantize_kv(v, v_scale), v_scale, q.dtype)
+        cu_q, lens_k = context.cu_seqlens_q_cpu, context.seq_lens_k_cpu
+        for i, length in enumerate(lens_k):
+            start, end = cu_q[i], cu_q[i + 1]
+            first_key = max(0, length - (end - start) - self.window + 1)  # the first query's window
+            if context.block_tables is None:  # no cached context: the new K/V are the whole context
+                seq_k, seq_v = k[start:end][first_key:], v[start:end][first_key:]
+            else:
+                seq_k = gather_span(k_cache, context.block_tables[i], first_key, length)
+                seq_v = gather_span(v_cache, context.block_tables[i], first_key, length)
+                if fp8:
+                    seq_k, seq_v = dequantize_kv(seq_k, k_scale, q.dtype), dequantize_kv(seq_v, v_scale, q.dtype)
+            out[start:end] = windowed_attend(q[start:end], seq_k, seq_v, scale, self.window, length)
+        return out
+
+
+class SlidingWindowAttention(Attention):
+    """Attention over the last `window` positions. Binding a backend binds its windowed form."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, window: int):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window must be a positive int, got {window!r}")
+        self.window = window
+        super().__init__(num_heads, head_dim, scale, num_kv_heads)
+
+    @property
+    def backend(self):
+        return self._windowed
+
+    @backend.setter
+    def backend(self, backend):
+        if backend is None or isinstance(backend, WindowedTorchBackend):
+            self._windowed = backend
+        elif backend is TorchBackend:
+            self._windowed = WindowedTorchBackend(self.window)
+        else:
+            raise ValueError(f"sliding-window attention (window {self.window}) runs on attention_backend='torch' "
+                             f"only so far, not on {getattr(backend, '__name__', backend)!r}: pass "
+                             f"attention_backend='torch'")

@@ -1,0 +1,199 @@
+"""Gemma 3 (text): a decoder of local (sliding-window) and global attention layers, five local to
+one global in the released checkpoints (config.layer_types says which is which).
+
+Where it differs from the shared decoder (layers/transformer.py), each as transformers'
+modeling_gemma3.py computes it:
+- RMSNorm scales by (1 + weight), in float32 before rounding to the model's dtype (Llama rounds
+  first): GemmaRMSNorm; four of them a layer, around attention and the MLP (pre and post each),
+  each sublayer's output normalized before it is added to the residual stream;
+- q and k normalized per head (the same norm) before RoPE, and scores scaled by
+  query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
+- a RoPE base of its own for each kind of layer (rope_parameters[layer type]: 10,000 local,
+  1,000,000 global, the global one linearly scaled in the 4B-27B checkpoints);
+- embeddings multiplied by sqrt(hidden_size), rounded to the weights' dtype first (55.5 for 3072 in bf16);
+- the MLP's activation gelu with the tanh approximation (gelu_pytorch_tanh);
+- the LM head tied to the embeddings; logits optionally soft-capped (final_logit_softcapping).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_parameters, rope_inv_freq
+from nanovllm.layers.sliding_window import SlidingWindowAttention
+from nanovllm.layers.transformer import DecoderForCausalLM, head_dim_of, num_kv_heads_of
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), in float32, then rounded to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+def rope_of(config: PretrainedConfig, layer_type: str) -> dict:
+    """The RoPE parameters of one kind of layer, rope_type set."""
+    params = dict((getattr(config, "rope_parameters", None) or {}).get(layer_type) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rotary_embedding(head_dim: int, max_position: int, params: dict) -> RotaryEmbedding:
+    """RoPE of params; rope_type "linear" (positions divided by factor) as transformers computes it:
+    the default inverse frequencies divided by the factor, then the cos/sin tables."""
+    if params["rope_type"] != "linear":
+        return RotaryEmbedding(head_dim, max_position, params)
+    default = {**params, "rope_type": "default"}
+    rope = RotaryEmbedding(head_dim, max_position, default)
+    inv_freq = rope_inv_freq(head_dim, default) / params["factor"]
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+    rope.cos.copy_(freqs.cos())
+    rope.sin.copy_(freqs.sin())
+    return rope
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str, rotary_emb: RotaryEmbedding, prefix: str):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          num_kv_heads_of(config), bias=bias, prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=bias,
+                                        prefix=f"{prefix}.o_proj")
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        scale = config.query_pre_attn_scalar ** -0.5
+        if layer_type == "sliding_attention":
+            self.attn = SlidingWindowAttention(self.num_heads, head_dim, scale, self.num_kv_heads, config.sliding_window)
+        else:
+            self.attn = Attention(self.num_heads, head_dim, scale, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], -1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)  # (the norms applied above: (1 + w), not the fused kernel's)
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+
+
+class GeluTanhMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, prefix=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str, rotary_emb: RotaryEmbedding, prefix: str):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_type, rotary_emb, f"{prefix}.self_attn")
+        self.mlp = GeluTanhMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        attended = self.self_attn(positions, self.input_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size ** 0.5
+        # one cos/sin table per kind of layer, shared by the layers of that kind
+        ropes = {kind: rotary_embedding(head_dim_of(config), max_position, rope_of(config, kind))
+                 for kind in sorted(set(config.layer_types))}
+        self.rotary_embs = nn.ModuleDict(ropes)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, kind, ropes[kind], f"model.layers.{i}")
+                                    for i, kind in enumerate(config.layer_types))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # (rounded as transformers does)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    """Gemma 3's text model (google/gemma-3-1b-it; Gemma3TextConfig). Pipeline parallelism is not
+    wired in (its layers add to the residual stream themselves, unlike the shared decoder's stages)."""
+
+    @classmethod
+    def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):
+        check_gemma3_config(config)
+
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        nn.Module.__init__(self)
+        self.check_config(config, max_position)
+        self.config = config
+        self.model = Gemma3TextModel(config, max_position)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if logits is None or self.softcap is None:  # (None: a TP rank other than 0)
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
+
+
+def check_gemma3_config(config: PretrainedConfig):
+    """ValueError naming the option for whatever this module would compute differently from HF."""
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_activation={act!r} is not supported for Gemma 3; supported: {list(ACTIVATIONS)}")
+    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer type(s) {unknown} in config.layer_types are not supported; supported: "
+                         f"{list(LAYER_TYPES)}")
+    if len(config.layer_types) != config.num_hidden_layers:
+        raise ValueError(f"config.layer_types has {len(config.layer_types)} entries for "
+                         f"num_hidden_layers={config.num_hidden_layers}")
+    for option in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(config, option, None):
+            raise ValueError(f"{option}={getattr(config, option)!r} is not supported (Gemma 3's text models "
+                             f"have none)")
+    head_dim, kv_heads = head_dim_of(config), num_kv_heads_of(config)
+    if config.num_attention_heads % kv_heads:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={kv_heads}")
+    for kind in set(config.layer_types):
+        params = rope_of(config, kind)
+        if params["rope_type"] == "linear":
+            if not params.get("factor"):
+                raise ValueError(f"rope_type 'linear' of the {kind} layers needs a factor")
+            params = {**params, "rope_type": "default"}
+        check_rope_parameters(params, head_dim)

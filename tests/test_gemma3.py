@@ -1,0 +1,167 @@
+"""Gemma 3 (models/gemma3.py, layers/sliding_window.py): tiny random models built with transformers
+equal Hugging Face greedy token for token (float32, CPU) with prompts far longer than the window,
+chunked prefill, prefix caching, preemption and TP=2; the window's attention against a masked
+reference; bad configs and backends refused at start-up."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # (the triton backend's refusal below builds it on CPU: interpreted)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hf_reference import assert_greedy_matches_hf
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.sliding_window import gather_span, windowed_attend
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+WINDOW = 16
+# local, global, local: prompts up to 300 tokens are many windows long; query_pre_attn_scalar 24
+# (not head_dim 16) scales the scores; each kind its own RoPE base (10,000 local, 1,000,000 global)
+LAYERS = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True)
+MODELS = {
+    "gemma3": ("gemma3", 0, LAYERS),
+    # the global layers' RoPE linearly scaled (the 4B-27B checkpoints'), logits soft-capped, one KV head
+    "gemma3_linear_softcap": ("gemma3", 1, dict(LAYERS, num_key_value_heads=1, final_logit_softcapping=3.0,
+                                                rope_parameters={
+                                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                       "rope_theta": 1e6},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 1e4}})),
+}
+
+
+@pytest.fixture
+def gemma_dir(tiny_models):
+    return lambda name: tiny_models(MODELS, name)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("options", [{}, dict(max_num_batched_tokens=64, kvcache_block_size=16)],
+                         ids=["plain", "chunked-prefill"])
+def test_gemma3_matches_hf(gemma_dir, prompts, reference, name, options):
+    path = gemma_dir(name)
+    assert max(map(len, prompts)) > 10 * WINDOW
+    with LLM(path, max_model_len=400, **options) as llm:
+        assert_greedy_matches_hf(llm, path, prompts, reference, GREEDY)
+
+
+def test_gemma3_prefix_cache_and_preemption(gemma_dir, prompts, reference):
+    """A repeated prompt resumes from its cached blocks (their K/V computed before, the window
+    found from the position) and gives the same answer; under a KV budget of 14 blocks of 16 the
+    engine preempts, recomputes, and still equals HF, no block leaked."""
+    path = gemma_dir("gemma3")
+    long = prompts[-1][:150]
+    with LLM(path, max_model_len=192, kvcache_block_size=16, num_kvcache_blocks=14, max_num_seqs=8) as llm:
+        first = llm.generate([long], GREEDY, use_tqdm=False)[0]
+        again = llm.generate([long], GREEDY, use_tqdm=False)[0]
+        assert again["num_cached_tokens"] == 144 and again["token_ids"] == first["token_ids"]
+        assert first["token_ids"] == reference(path, long, 16)
+        # five prompts of two blocks each, all admitted; each needs a third block as it decodes
+        assert_greedy_matches_hf(llm, path, [p[:32] for p in prompts if len(p) >= 32], reference, GREEDY)
+        assert llm.stats()["num_preemptions"] > 0
+
+
+def test_gemma3_tp2_matches_hf(gemma_dir, prompts, reference):
+    path = gemma_dir("gemma3_linear_softcap")
+    with LLM(path, tensor_parallel_size=2, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
+        assert_greedy_matches_hf(llm, path, prompts, reference, GREEDY)
+
+
+def test_the_window_changes_the_answer(gemma_dir, prompts, reference, tmp_path):
+    """(So the tests above can fail:) the same weights with a window of 4096 answer the long
+    prompts differently from HF with the window of 16."""
+    import shutil
+    path = gemma_dir("gemma3")
+    wide = str(tmp_path / "wide")
+    shutil.copytree(path, wide)
+    with open(f"{wide}/config.json") as f:
+        config = json.load(f)
+    config["sliding_window"] = 4096
+    with open(f"{wide}/config.json", "w") as f:
+        json.dump(config, f)
+    with LLM(wide, max_model_len=400) as llm:
+        outputs = llm.generate(prompts[-3:], GREEDY, use_tqdm=False)
+    assert any(o["token_ids"] != reference(path, p, 16) for o, p in zip(outputs, prompts[-3:]))
+
+
+# ---- the window's attention ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, length, window", [(1, 1, 4), (1, 40, 4), (5, 40, 4), (40, 40, 7), (3, 9, 16), (9, 9, 1)])
+def test_windowed_attend_equals_a_masked_reference(n, length, window):
+    """Query at position p sees keys p - window + 1 .. p: against softmax over a dense mask, given
+    only the keys from the first query's window on (as the backend gathers them)."""
+    g = torch.Generator().manual_seed(n * 100 + length)
+    q, k, v = (torch.randn(rows, heads, 8, generator=g) for rows, heads in ((n, 4), (length, 2), (length, 2)))
+    first_key = max(0, length - n - window + 1)
+    got = windowed_attend(q, k[first_key:], v[first_key:], 0.3, window, length)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    for i in range(n):
+        p = length - n + i
+        visible = [j for j in range(length) if p - window < j <= p]
+        scores = torch.einsum("hd,khd->hk", q[i], kk[visible]) * 0.3
+        expected = torch.einsum("hk,khd->hd", scores.softmax(-1), vv[visible])
+        torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gather_span_reads_only_the_spans_blocks():
+    cache = torch.arange(6 * 4 * 1 * 1, dtype=torch.float32).view(6, 4, 1, 1)
+    table = torch.tensor([5, 2, 0, 3])
+    full = cache[table].flatten(0, 1)
+    for start, end in [(0, 16), (3, 9), (4, 8), (13, 14), (7, 7)]:
+        assert torch.equal(gather_span(cache, table, start, end), full[start:end])
+
+
+# ---- refused at start-up ------------------------------------------------------------------------
+
+def edited(src, dst, **changes) -> str:
+    from nanovllm.utils.tiny_model import edit_model
+    return edit_model(src, str(dst), edit_config=lambda config: config.update(changes))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+     r"layer type\(s\) \['chunked_attention'\] in config.layer_types are not supported"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 is not supported"),
+    (dict(hidden_activation="relu"), "hidden_activation='relu' is not supported for Gemma 3"),
+])
+def test_bad_configs_are_refused(gemma_dir, tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(edited(gemma_dir("gemma3"), tmp_path / "bad", **changes))
+
+
+def test_sliding_window_layers_need_the_torch_backend(gemma_dir):
+    pytest.importorskip("triton", reason="triton is not installed")
+    with pytest.raises(ValueError, match="sliding-window attention \\(window 16\\) runs on attention_backend='torch'"):
+        LLM(gemma_dir("gemma3"), attention_backend="triton", device="cpu")
+
+
+def test_a_plain_prompt_batch_of_random_lengths(gemma_dir, reference):
+    """Sequences of many lengths decoding side by side (each its own window in one step)."""
+    rng = random.Random(3)
+    path = gemma_dir("gemma3")
+    batch = [[rng.randrange(1, 512) for _ in range(rng.randint(10, 60))] for _ in range(6)]
+    with LLM(path, max_model_len=128, kvcache_block_size=8) as llm:
+        assert_greedy_matches_hf(llm, path, batch, reference, GREEDY)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gemma3_logprobs_equal_hf(gemma_dir, prompts, name):
+    """Each emitted token's logprob equals Hugging Face's log_softmax of its logits (soft-capped
+    where the config says: tanh keeps the argmax, so greedy tokens alone would not tell)."""
+    from transformers import AutoModelForCausalLM
+    path = gemma_dir(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    chosen = [prompts[1], prompts[4]]
+    with LLM(path, max_model_len=400) as llm:
+        outputs = llm.generate(chosen, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
+                               use_tqdm=False)
+    for prompt, out in zip(chosen, outputs):
+        ids = torch.tensor([prompt + out["token_ids"]])
+        with torch.no_grad():
+            logprobs = hf(ids).logits[0].log_softmax(-1)
+        for i, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
+            assert abs(entry[token] - logprobs[len(prompt) - 1 + i, token].item()) < 1e-4
