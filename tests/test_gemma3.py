@@ -133,10 +133,27 @@ def test_bad_configs_are_refused(gemma_dir, tmp_path, changes, match):
         LLM(edited(gemma_dir("gemma3"), tmp_path / "bad", **changes))
 
 
-def test_sliding_window_layers_need_the_torch_backend(gemma_dir):
+def test_gemma3_on_the_triton_backend_matches_hf(gemma_dir, prompts, reference):
+    """The Triton kernels' window (under the interpreter on CPU): chunked prefill over cached
+    chunks, decode rows, and prompts many windows long."""
     pytest.importorskip("triton", reason="triton is not installed")
-    with pytest.raises(ValueError, match="sliding-window attention \\(window 16\\) runs on attention_backend='torch'"):
-        LLM(gemma_dir("gemma3"), attention_backend="triton", device="cpu")
+    path = gemma_dir("gemma3")
+    with LLM(path, attention_backend="triton", device="cpu", max_model_len=400, max_num_batched_tokens=64,
+             kvcache_block_size=16) as llm:
+        assert_greedy_matches_hf(llm, path, prompts[3:6], reference, GREEDY)
+
+
+def test_sliding_window_layers_are_refused_on_flash_attn(gemma_dir, monkeypatch):
+    """flash-attn's window_size is not wired in: a clear error at start-up, naming what works."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "fake_flash_attn"))
+    try:
+        with pytest.raises(ValueError, match=r"sliding-window attention \(window 16\) runs on attention_backend="
+                                             r"'torch' or 'triton', not on 'FlashAttnBackend'"):
+            LLM(gemma_dir("gemma3"), attention_backend="flash_attn", kvcache_block_size=256)
+    finally:
+        import sys
+        for name in ("flash_attn", "nanovllm.layers.backends.flash_attn"):
+            sys.modules.pop(name, None)
 
 
 def test_a_plain_prompt_batch_of_random_lengths(gemma_dir, reference):

@@ -823,3 +823,41 @@ def test_speculative_decode_graphs_compute_what_the_eager_steps_do(monkeypatch, 
     assert verified, "no speculative decode step replayed a graph"
     assert any(len(set(num_new)) > 1 for _, _, num_new in verified)  # (mixed draft lengths in one replay)
     assert llm.stats()["spec_num_accepted_tokens"] > 0
+
+
+# ---- sliding windows (layers/sliding_window.py) -----------------------------------------------------
+@pytest.mark.parametrize("window", [1, 5, 16, 70])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_windowed_steps_match_the_windowed_reference(window, num_splits, monkeypatch):
+    """window=: decode rows, verify-like rows (2 and 4 queries), prefill chunks over cached prefixes
+    and fresh prompts (no cache) against WindowedTorchBackend; the decode kernel with its span split
+    num_splits ways. Windows shorter than a key tile, longer than a context, and between."""
+    from nanovllm.layers.sliding_window import WindowedTorchBackend
+    monkeypatch.setattr(triton_attn, "context_num_splits", lambda *args: num_splits)
+    gen = torch.Generator().manual_seed(window * 10 + num_splits)
+    block_size, heads, kv_heads, head_dim = 8, 4, 2, 16
+    scale = head_dim ** -0.5
+    # (and a first query whose window starts at the last key of a tile: DECODE_BLOCK_N = PREFILL_BLOCK_N = 64 here)
+    edge = [([1, 1], [63 + window, 127 + window]), ([10], [63 + window + 9])]
+    for new, lens in [([1, 1, 1], [1, 30, 100]), ([2, 4, 1], [33, 41, 9]), ([1, 20, 3, 40], [50, 20, 90, 140])] + edge:
+        cache = PagedCache(lens, block_size, kv_heads, head_dim, gen).to(DEVICE)
+        q, k, v = qkv_views(sum(new), heads, kv_heads, head_dim, gen)
+        context = make_context(new, lens, cache.tables)
+        ref_context = make_context(new, lens, cache.tables.cpu(), device="cpu")
+        ref = WindowedTorchBackend(window).forward(q.cpu(), None, None, cache.k.cpu(), cache.v.cpu(), ref_context, scale)
+        assert_close(TritonBackend.forward(q, k, v, cache.k, cache.v, context, scale, window=window), ref)
+    new = [3, 50, 17]                                            # fresh prompts: the new rows are the context
+    q, k, v = qkv_views(sum(new), heads, kv_heads, head_dim, gen)
+    ref = WindowedTorchBackend(window).forward(q.cpu(), k.cpu(), v.cpu(), None, None,
+                                               make_context(new, new, device="cpu"), scale)
+    assert_close(TritonBackend.forward(q, k, v, None, None, make_context(new, new), scale, window=window), ref)
+
+
+def test_window_zero_is_full_attention():
+    gen = torch.Generator().manual_seed(11)
+    new, lens = [1, 20], [60, 20]
+    cache = PagedCache(lens, 8, 2, 16, gen).to(DEVICE)
+    q, k, v = qkv_views(sum(new), 4, 2, 16, gen)
+    context = make_context(new, lens, cache.tables)
+    assert_close(TritonBackend.forward(q, k, v, cache.k, cache.v, context, 0.25, window=0),
+                 reference(q, k, v, cache, context, 0.25))

@@ -10,9 +10,13 @@ block table), whoever computed the blocks before. The KV cache keeps every block
 (its full-attention layers need them); a layer group that hands the blocks out of the window back
 to the pool is the next step (issue 48, item 1).
 
-Only the torch backend has the window so far: the Triton kernel and flash-attn's window_size are
-not wired in, and a model with such layers on another backend is refused at start-up.
+The torch backend's window is WindowedTorchBackend below; the Triton backend's kernels take it as
+an argument (`window=`: each row masks keys before its window, and the loops start at the first
+query's window, so a step reads the window's key tiles, not the whole context); flash-attn's
+window_size is not wired in, and a model with such layers on that backend is refused at start-up.
 """
+import inspect
+
 import torch
 
 from nanovllm.layers.attention import Attention
@@ -72,6 +76,28 @@ class WindowedTorchBackend:
         return out
 
 
+class WindowBound:
+    """A backend whose forward takes `window=` (the Triton backend's), with this layer's window bound."""
+
+    def __init__(self, backend, window: int):
+        self.backend, self.window = backend, window
+        self.elementwise, self.store_kv = backend.elementwise, backend.store_kv
+
+    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
+        return self.backend.forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale, window=self.window)
+
+
+def windowed(backend, window: int):
+    """backend's windowed form: the torch reference's, a window-taking backend's with the window
+    bound, else a ValueError naming the backend (flash-attn's window_size is not wired in)."""
+    if backend is TorchBackend:
+        return WindowedTorchBackend(window)
+    if "window" in inspect.signature(backend.forward).parameters:
+        return WindowBound(backend, window)
+    raise ValueError(f"sliding-window attention (window {window}) runs on attention_backend='torch' or 'triton', "
+                     f"not on {backend.__name__!r}: pass attention_backend='triton' (CUDA) or 'torch'")
+
+
 class SlidingWindowAttention(Attention):
     """Attention over the last `window` positions. Binding a backend binds its windowed form."""
 
@@ -87,11 +113,5 @@ class SlidingWindowAttention(Attention):
 
     @backend.setter
     def backend(self, backend):
-        if backend is None or isinstance(backend, WindowedTorchBackend):
-            self._windowed = backend
-        elif backend is TorchBackend:
-            self._windowed = WindowedTorchBackend(self.window)
-        else:
-            raise ValueError(f"sliding-window attention (window {self.window}) runs on attention_backend='torch' "
-                             f"only so far, not on {getattr(backend, '__name__', backend)!r}: pass "
-                             f"attention_backend='torch'")
+        already = backend is None or isinstance(backend, (WindowedTorchBackend, WindowBound))
+        self._windowed = backend if already else windowed(backend, self.window)

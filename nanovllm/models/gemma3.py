@@ -80,7 +80,8 @@ class Gemma3Attention(nn.Module):
         self.rotary_emb = rotary_emb
         scale = config.query_pre_attn_scalar ** -0.5
         if layer_type == "sliding_attention":
-            self.attn = SlidingWindowAttention(self.num_heads, head_dim, scale, self.num_kv_heads, config.sliding_window)
+            self.attn = SlidingWindowAttention(self.num_heads, head_dim, scale, self.num_kv_heads,
+                                               config.sliding_window)
         else:
             self.attn = Attention(self.num_heads, head_dim, scale, self.num_kv_heads)
 

@@ -96,8 +96,9 @@ MAX_SPLITS = 64                # bounds the reduce kernel's tile and the partial
 # derived from num_splits. The Q/K/V/out/cache strides stay specialized: fixed by the model's shapes,
 # innermost 1 (head_dim contiguous: 16-byte vector loads/stores), outer multiples of 16 (rows aligned).
 STORE_KV_DYNAMIC_ARGS = ["num_tokens"]
-PREFILL_DYNAMIC_ARGS = ["s_bt", "num_seqs"]
-DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits", "max_queries"]   # s_mb = H * num_splits, s_mh = num_splits
+PREFILL_DYNAMIC_ARGS = ["s_bt", "num_seqs", "window"]
+# (s_mb = H * num_splits, s_mh = num_splits; window: 0, or a sliding-window layer's)
+DECODE_DYNAMIC_ARGS = ["s_bt", "s_mb", "s_mh", "num_splits", "max_queries", "window"]
 REDUCE_DYNAMIC_ARGS = ["s_mb", "s_mh", "num_splits", "max_queries"]
 
 
@@ -155,7 +156,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                     s_k0, s_k1, s_kh, s_kd, s_v0, s_v1, s_vh, s_vd, s_bt,
-                    scale_log2, num_seqs,
+                    scale_log2, num_seqs, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
@@ -167,6 +168,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
     Not PAGED: K/V are the step's new rows [T, Hkv, D] (s_k1 = row stride, s_k0 unused); the
     context is the sequence's own new rows, cu_q[b] .. cu_q[b+1].
     KV_FP8: K/V (either kind) are fp8, dequantized with the scales (see the module's docstring).
+    window > 0: a query at q_pos sees keys q_pos - window + 1 .. q_pos only (sliding-window layers);
+    the loop starts at the tile of the first query's first key.
     """
     work = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -195,6 +198,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
         head = kvh * GROUP + rows % GROUP                # query head
         row_ok = qi < n
         q_pos = length - n + qi                          # its position; it sees keys 0 .. q_pos
+        lowest = tl.where(window > 0, q_pos - window, -1)  # ... and of those only keys past this one
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         q_rows = (q_start + qi).to(tl.int64)
@@ -209,7 +213,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         last_q = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, n - 1)
         kv_end = length - n + last_q + 1                 # keys past the tile's last query are masked anyway
-        for start_n in range(0, kv_end, BLOCK_N):
+        first_key = tl.where(window > 0, tl.maximum(length - n + (tile * BLOCK_M) // GROUP - window + 1, 0), 0)
+        for start_n in range(first_key // BLOCK_N * BLOCK_N, kv_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_ok = offs_n < kv_end
             if PAGED:
@@ -224,7 +229,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
             if KV_FP8:
                 kt = kt.to(q.dtype)
             qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale            # [BLOCK_M, BLOCK_N]
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > lowest[:, None]) & n_ok[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))       # finite: m_i starts at NEG_BIG
             alpha = tl.exp2(m_i - m_new)
@@ -264,7 +269,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_bt,
                    s_mb, s_mh, s_ms,                     # mid_m / mid_l [B * max_queries, H, S]; mid_o [.., BLOCK_D]
-                   scale_log2, num_splits, max_queries,
+                   scale_log2, num_splits, max_queries, window,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT_KV: tl.constexpr, MIXED: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -278,7 +283,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
     of different padded batch sizes use different counts, and each would otherwise compile a new
     variant. SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing
     `out`, at index b * max_queries + query. KV_FP8: the caches are fp8, dequantized with the
-    scales (see the module's docstring)."""
+    scales (see the module's docstring). window > 0: each row sees only keys q_pos - window + 1 ..
+    q_pos, and the splits share the span from the first query's window on, not the whole context."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -289,10 +295,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
     qi = r // GROUP                                      # the row's query, and its head in the group
     g_ok = qi < n                                        # (none when n = 0: nothing loaded or stored)
     q_pos = length - n + qi                              # the query's position: it sees keys 0 .. q_pos
-    # This split's keys: an equal share of the context, in whole tiles, so no split is empty
-    # unless the context has fewer tiles than there are splits.
-    tiles_per_split = tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    lowest = tl.where(window > 0, q_pos - window, -1)    # ... and of those only keys past this one
+    # This split's keys: an equal share of the span (the context, or from the tile of the first
+    # query's first key), in whole tiles, so no split is empty unless it has fewer tiles than splits.
+    span = tl.where(window > 0, tl.maximum(length - n - window + 1, 0), 0) // BLOCK_N * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(length - span, BLOCK_N), num_splits)
+    start = span + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, length)
 
     head = kvh * GROUP + r % GROUP                       # the query heads sharing kv head kvh
@@ -320,7 +328,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
         if KV_FP8:
             kt = kt.to(q.dtype)
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale                # [BLOCK_G, BLOCK_N]
-        qk = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > lowest[:, None])
+        qk = tl.where(n_ok[None, :] & visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -454,7 +463,7 @@ def kv_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.
 
 
 def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, window: int = 0):
     num_heads, num_kv_heads, head_dim = _check(q, k if k is not None else k_cache, context)
     group = num_heads // num_kv_heads
     batch = context.cu_seqlens_q.shape[0] - 1
@@ -478,12 +487,12 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
     if paged and _may_have_decode_rows(context):     # the decode rows of a mixed step: split-KV decode
         num_splits = context_num_splits(context, num_kv_heads, block_size, _num_sms(q.device))
         decode(q, k_cache, v_cache, seq_lens, bt, scale, out, num_splits, cu_seqlens_q=context.cu_seqlens_q,
-               k_scale=k_scale, v_scale=v_scale)
+               k_scale=k_scale, v_scale=v_scale, window=window)
     grid = (prefill_num_work_items(q.shape[0], batch, group, block_m), num_kv_heads)
     _prefill_kernel[grid](
         q, key, value, out, context.cu_seqlens_q, seq_lens, bt, k_scale, v_scale,
         *q.stride(), *out.stride(), *ks, *vs, s_bt,
-        scale * LOG2E, batch,
+        scale * LOG2E, batch, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGED=paged,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=key.dtype == FP8_KV_DTYPE, num_warps=4, num_stages=2)
@@ -526,14 +535,14 @@ def _decode_block_g(group: int, max_queries: int, dtype: torch.dtype, head_dim: 
 def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: torch.Tensor | None = None,
            num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           max_queries: int = 1) -> torch.Tensor:
+           max_queries: int = 1, window: int = 0) -> torch.Tensor:
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
     cu_seqlens_q [B+1]: q and out are all T rows of the step, [T, H, D], and only the sequences with
     at most max_queries new rows are attended (their rows of out written): a mixed step's one-token
     rows (max_queries 1), or a verify step's 1 + k (each row sees keys up to its own position).
     No host sync: CUDA-graph safe. num_splits=None: decode_num_splits of these shapes. k_scale,
-    v_scale: see kv_scales.
+    v_scale: see kv_scales. window > 0: sliding-window attention (each row its last `window` keys).
     """
     num_rows, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
@@ -567,7 +576,7 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
         q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q, k_scale, v_scale,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         num_heads * num_splits, num_splits, 1,
-        scale * LOG2E, num_splits, max_queries,
+        scale * LOG2E, num_splits, max_queries, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1, MIXED=mixed,
         BLOCK_G=_decode_block_g(group, max_queries, q.dtype, head_dim), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
@@ -601,8 +610,10 @@ class TritonBackend:
             num_warps=4)
 
     @staticmethod
-    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchBackend.forward."""
+    def forward(q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None,
+                window: int = 0) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchBackend.forward
+        (window > 0: layers/sliding_window.py's WindowedTorchBackend's)."""
         _check(q, k if k is not None else k_cache, context)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
@@ -616,5 +627,5 @@ class TritonBackend:
             num_splits = context_num_splits(context, num_kv_heads, k_cache.shape[1], _num_sms(q.device))
             return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits,
                           cu_seqlens_q=None if context.decode_only else context.cu_seqlens_q,
-                          k_scale=k_scale, v_scale=v_scale, max_queries=max_queries)
-        return _prefill(q, k, v, k_cache, v_cache, context, scale, out, k_scale, v_scale)
+                          k_scale=k_scale, v_scale=v_scale, max_queries=max_queries, window=window)
+        return _prefill(q, k, v, k_cache, v_cache, context, scale, out, k_scale, v_scale, window)
