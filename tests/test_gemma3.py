@@ -182,3 +182,16 @@ def test_gemma3_logprobs_equal_hf(gemma_dir, prompts, name):
             logprobs = hf(ids).logits[0].log_softmax(-1)
         for i, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
             assert abs(entry[token] - logprobs[len(prompt) - 1 + i, token].item()) < 1e-4
+
+
+def test_the_embedding_scale_is_rounded_to_the_model_dtype(gemma_dir):
+    """sqrt(hidden_size) in the weights' dtype, as transformers multiplies: 55.5 for Gemma 3 4B's
+    3072 in bf16 (not 55.4256), exact in float32 (built on the meta device: no memory)."""
+    from transformers import AutoConfig
+    from nanovllm.models.gemma3 import Gemma3ForCausalLM
+    from nanovllm.utils.context import default_dtype_and_device
+    config = AutoConfig.from_pretrained(gemma_dir("gemma3"))
+    config.hidden_size = 3072
+    for dtype, expected in ((torch.bfloat16, 55.5), (torch.float32, float(torch.tensor(3072 ** 0.5)))):
+        with default_dtype_and_device(dtype, "meta"):
+            assert Gemma3ForCausalLM(config, 64).model.embed_scale == expected

@@ -129,7 +129,10 @@ class Gemma3TextModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size ** 0.5
+        # sqrt(hidden_size) rounded to the model's dtype (built under it), as transformers rounds it;
+        # a Python float, so a captured CUDA graph holds no host tensor
+        scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(), device="cpu")
+        self.embed_scale = float(scale)
         # one cos/sin table per kind of layer, shared by the layers of that kind
         ropes = {kind: rotary_embedding(head_dim_of(config), max_position, rope_of(config, kind))
                  for kind in sorted(set(config.layer_types))}
@@ -140,7 +143,7 @@ class Gemma3TextModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)  # (rounded as transformers does)
+        hidden = hidden * self.embed_scale
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
