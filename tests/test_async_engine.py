@@ -177,12 +177,9 @@ def test_queue_limit(model_dir):
 
 
 
-def test_calls_in_one_tick_count_each_others_sequences_against_the_queue_limit(model_dir):
-    """Calls made back to back, with no await between (one event-loop tick, the engine thread
-    parked in a step and taking no command), are admitted against the limit with the sequences
-    of the calls before them, queued but not yet taken by the engine thread: the burst stops at
-    max_queued_requests."""
-    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+def park_steps(llm) -> tuple[threading.Event, threading.Event]:
+    """From now on each of llm's steps sets `parked` and waits for `go` before it runs: the engine
+    thread held inside a step, taking no command, until the test lets it go."""
     step, parked, go = llm.step, threading.Event(), threading.Event()
 
     def parking_step():
@@ -190,6 +187,16 @@ def test_calls_in_one_tick_count_each_others_sequences_against_the_queue_limit(m
         go.wait()
         return step()
     llm.step = parking_step
+    return parked, go
+
+
+def test_calls_in_one_tick_count_each_others_sequences_against_the_queue_limit(model_dir):
+    """Calls made back to back, with no await between (one event-loop tick, the engine thread
+    parked in a step and taking no command), are admitted against the limit with the sequences
+    of the calls before them, queued but not yet taken by the engine thread: the burst stops at
+    max_queued_requests."""
+    llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
+    parked, go = park_steps(llm)
     engine = AsyncEngine(llm, max_queued_requests=3)
     long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
@@ -216,13 +223,7 @@ def test_calls_in_one_tick_count_each_prompt_n_times_against_the_queue_limit(mod
     step) counts 3 sequences, so with the one waiting in the engine the limit of 4 is reached and the
     next call is refused."""
     llm = LLM(model_dir, max_model_len=512, max_num_seqs=1)
-    step, parked, go = llm.step, threading.Event(), threading.Event()
-
-    def parking_step():
-        parked.set()
-        go.wait()
-        return step()
-    llm.step = parking_step
+    parked, go = park_steps(llm)
     engine = AsyncEngine(llm, max_queued_requests=4)
 
     async def main():
@@ -245,13 +246,7 @@ def test_the_engine_thread_feeds_the_engine_n_sequences_for_a_prompt_of_n(model_
     """max_num_seqs 2: of one call's prompts, the first, n=2, fills the engine's waiting room (it and
     its fork), so the second, n=1, stays held by the engine thread; both count as waiting."""
     llm = LLM(model_dir, max_model_len=512, max_num_seqs=2)
-    step, parked, go = llm.step, threading.Event(), threading.Event()
-
-    def parking_step():
-        parked.set()
-        go.wait()
-        return step()
-    llm.step = parking_step
+    parked, go = park_steps(llm)
     engine = AsyncEngine(llm)
 
     async def main():
