@@ -12,7 +12,7 @@ TCPStore at master_addr:master_port:
   2. node 0 compares the views with its own and publishes its verdict, and with an "ok" the
      engine's Config and runner class: the other nodes' ranks run with node 0's options (their
      own flags give only the model folder, whose config.json must be node 0's, and the master);
-  3. every rank joins the model's group (engine/workers.make_group: NCCL on GPU, gloo on CPU) and a gloo control
+  3. every rank joins the model's group (distributed/stages.make_group: NCCL on GPU, gloo on CPU) and a gloo control
      group, over which rank 0 broadcasts each call (`NodeWorkers.call`) that workers on one node
      take from a pipe (engine/workers.py).
 
