@@ -195,3 +195,9 @@ def test_the_embedding_scale_is_rounded_to_the_model_dtype(gemma_dir):
     for dtype, expected in ((torch.bfloat16, 55.5), (torch.float32, float(torch.tensor(3072 ** 0.5)))):
         with default_dtype_and_device(dtype, "meta"):
             assert Gemma3ForCausalLM(config, 64).model.embed_scale == expected
+
+
+def test_pipeline_parallelism_is_refused(gemma_dir):
+    """(Not wired in: its layers keep the residual stream themselves.) A ValueError reaches the caller."""
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported for Gemma 3"):
+        LLM(gemma_dir("gemma3"), max_model_len=128, pipeline_parallel_size=2)

@@ -25,6 +25,7 @@ from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_parameters, rope_inv_freq
 from nanovllm.layers.sliding_window import SlidingWindowAttention
 from nanovllm.layers.transformer import DecoderForCausalLM, head_dim_of, num_kv_heads_of
+from nanovllm.utils.parallel import stage_layers
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = ("gelu_pytorch_tanh",)
@@ -128,6 +129,10 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_position: int):
         super().__init__()
+        if stage_layers(config.num_hidden_layers) != range(config.num_hidden_layers):
+            raise ValueError("pipeline_parallel_size > 1 is not supported for Gemma 3 (its layers keep the "
+                             "residual stream themselves, unlike the shared decoder's stages); use "
+                             "tensor_parallel_size instead")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # sqrt(hidden_size) rounded to the model's dtype (built under it), as transformers rounds it;
         # a Python float, so a captured CUDA graph holds no host tensor
@@ -151,7 +156,7 @@ class Gemma3TextModel(nn.Module):
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3's text model (google/gemma-3-1b-it; Gemma3TextConfig). Pipeline parallelism is not
-    wired in (its layers add to the residual stream themselves, unlike the shared decoder's stages)."""
+    wired in (Gemma3TextModel refuses a stage's share of the layers)."""
 
     @classmethod
     def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):
