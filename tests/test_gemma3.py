@@ -201,3 +201,16 @@ def test_pipeline_parallelism_is_refused(gemma_dir):
     """(Not wired in: its layers keep the residual stream themselves.) A ValueError reaches the caller."""
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported for Gemma 3"):
         LLM(gemma_dir("gemma3"), max_model_len=128, pipeline_parallel_size=2)
+
+
+def test_gemma3_drafts_for_itself_with_every_draft_accepted(gemma_dir, prompts, reference):
+    """An identical draft model proposes exactly what the target decodes: the draft gets the backend
+    itself, so its global layers attend over the whole context and its local ones over their window
+    (not the first layer's windowed form everywhere)."""
+    path = gemma_dir("gemma3")
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    with LLM(path, max_model_len=400, speculative_config=draft) as llm:
+        assert_greedy_matches_hf(llm, path, prompts[4:], reference, GREEDY)
+        stats = llm.stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]

@@ -113,5 +113,4 @@ class SlidingWindowAttention(Attention):
 
     @backend.setter
     def backend(self, backend):
-        already = backend is None or isinstance(backend, (WindowedTorchBackend, WindowBound))
-        self._windowed = backend if already else windowed(backend, self.window)
+        self._windowed = None if backend is None else windowed(backend, self.window)

@@ -17,6 +17,7 @@ from nanovllm.engine.step_batch import StepBatch
 from nanovllm.features.speculative.draft_model import DraftModel
 from nanovllm.features.speculative.rejection_sampler import target_probs, verify
 from nanovllm.features.speculative.scheduling import draft_slots, expand_runs
+from nanovllm.layers.backends import get_backend
 
 
 class VerifiedTokens:
@@ -65,7 +66,10 @@ class SpeculativeRunner(ModelRunner):
 
     def _load(self, config: Config):
         super()._load(config)
-        self.drafter = (DraftModel(config, self.device, self.attention_layers[0].backend)
+        # the target's backend itself (get_backend gives the same object again), not a layer's: a
+        # sliding-window layer holds its windowed form, which the draft's other layers must not get
+        backend = get_backend(config.attention_backend, config.device)
+        self.drafter = (DraftModel(config, self.device, backend)
                         if config.draft_hf_config is not None and self.rank == 0 else None)
 
     def _capture(self, config: Config):
