@@ -21,10 +21,10 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_parameters, rope_inv_freq
 from nanovllm.layers.sliding_window import SlidingWindowAttention
-from nanovllm.layers.transformer import DecoderForCausalLM, head_dim_of, num_kv_heads_of
+from nanovllm.layers.transformer import (DecoderAttention, DecoderFlags, DecoderForCausalLM, GatedMLP, head_dim_of,
+                                         num_kv_heads_of)
 from nanovllm.utils.parallel import stage_layers
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -66,47 +66,39 @@ def rotary_embedding(head_dim: int, max_position: int, params: dict) -> RotaryEm
     return rope
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(DecoderAttention):
+    """The shared decoder's attention (q/k/v and o projections, biases where attention_bias says),
+    with Gemma's (1 + w) q/k norms, its scale query_pre_attn_scalar ** -0.5, and a window on the
+    local layers: the norms and the inner Attention are Gemma's, in place of those it builds."""
+
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary_emb: RotaryEmbedding, prefix: str):
-        super().__init__()
-        head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          num_kv_heads_of(config), bias=bias, prefix=f"{prefix}.qkv_proj")
-        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=bias,
-                                        prefix=f"{prefix}.o_proj")
-        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary_emb = rotary_emb
+        super().__init__(config, rotary_emb, DecoderFlags(qkv_bias=bias, o_bias=bias), prefix)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         scale = config.query_pre_attn_scalar ** -0.5
         if layer_type == "sliding_attention":
-            self.attn = SlidingWindowAttention(self.num_heads, head_dim, scale, self.num_kv_heads,
+            self.attn = SlidingWindowAttention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
                                                config.sliding_window)
         else:
-            self.attn = Attention(self.num_heads, head_dim, scale, self.num_kv_heads)
+            self.attn = Attention(self.num_heads, self.head_dim, scale, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], -1)
+        # normalized here, not handed to the RoPE: its fused kernel's norm is Llama's (x * w), not (1 + w)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)  # (the norms applied above: (1 + w), not the fused kernel's)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 
-class GeluTanhMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up in one GEMM."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
-                                                       prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, prefix=f"{prefix}.down_proj")
+class GeluTanhAndMul(nn.Module):
+    """[T, 2d] -> gelu_tanh(x[:, :d]) * x[:, d:] (transformers' gelu_pytorch_tanh of gate, times up)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        gate, up = x.chunk(2, -1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -114,7 +106,8 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, layer_type, rotary_emb, f"{prefix}.self_attn")
-        self.mlp = GeluTanhMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, f"{prefix}.mlp")
+        self.mlp.act_fn = GeluTanhAndMul()  # (in place of SiLU)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -141,7 +134,6 @@ class Gemma3TextModel(nn.Module):
         # one cos/sin table per kind of layer, shared by the layers of that kind
         ropes = {kind: rotary_embedding(head_dim_of(config), max_position, rope_of(config, kind))
                  for kind in sorted(set(config.layer_types))}
-        self.rotary_embs = nn.ModuleDict(ropes)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, kind, ropes[kind], f"model.layers.{i}")
                                     for i, kind in enumerate(config.layer_types))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
