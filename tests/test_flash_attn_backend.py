@@ -1,7 +1,9 @@
 """The flash_attn backend's integration, on CPU, against a fake flash_attn module written in
 PyTorch from flash-attn's documented interface (tests/fake_flash_attn)."""
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -124,8 +126,6 @@ print(json.dumps({"fused": cuda.elementwise is fused_triton, "subclass": issubcl
 
 
 def backend_selection(interpret: bool) -> dict:
-    import json
-    import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([FAKE, os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
     if interpret:
