@@ -132,12 +132,9 @@ class Config:
             raise ValueError(f"the flash_attn backend needs kvcache_block_size to be a multiple of "
                              f"{FLASH_ATTN_BLOCK_SIZE}, got {self.block_size}")
         self.dtype = self._resolve_dtype()
-        if self.tensor_parallel_size > 1:
-            from nanovllm.distributed.options import check_tensor_parallel  # (tensor parallelism's: loaded when asked for)
-            check_tensor_parallel(self)
-        if self.pipeline_parallel_size > 1:
-            from nanovllm.distributed.options import check_pipeline  # (pipeline parallelism's: loaded when asked for)
-            check_pipeline(self)
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            from nanovllm.distributed.options import check_parallel  # (TP's and PP's checks: loaded when asked for)
+            check_parallel(self)
 
     def _positive_int(self, name: str, allow_none: bool = False):
         value = getattr(self, name)
@@ -173,6 +170,8 @@ class Config:
             self.hf_config = AutoConfig.from_pretrained(self.model)
         except Exception as e:  # an unknown model_type, a broken config.json, ...
             raise ValueError(f"cannot read {self.model}/config.json: {e}") from e
+        text = self.hf_config.get_text_config()  # a multimodal checkpoint's text model (Qwen3.5's); else itself
+        text.architectures, self.hf_config = self.hf_config.architectures, text
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
         if max_positions is not None:
             self.max_model_len = min(self.max_model_len, max_positions)

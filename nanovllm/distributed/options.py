@@ -1,6 +1,6 @@
 """Config's checks of the parallel options: tensor_parallel_size > 1 (check_tensor_parallel),
-pipeline_parallel_size > 1 (check_pipeline) and several nodes (check_nodes), each a ValueError or
-TypeError that names the option.
+pipeline_parallel_size > 1 (check_pipeline), both through check_parallel, and several nodes
+(check_nodes), each a ValueError or TypeError that names the option.
 
 Config calls them when the option asks for them. They live here, apart from the layers they check
 (engine/workers.py, distributed/stages.py and nodes.py), because this module imports nothing of
@@ -11,6 +11,14 @@ the same, which a reader and a type checker follow)."""
 import os
 
 import torch
+
+
+def check_parallel(config) -> None:
+    """Config's checks when tensor_parallel_size or pipeline_parallel_size is over 1."""
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(config)
+    if config.pipeline_parallel_size > 1:
+        check_pipeline(config)
 
 
 def check_tensor_parallel(config) -> None:

@@ -36,7 +36,7 @@ class LLMEngine(Frontend):
 
     def __init__(self, config: Config):
         super().__init__(config)  # the tokenizer and the request checks
-        runner_class, scheduler_class = ModelRunner, Scheduler
+        runner_class, scheduler_class, block_manager_class = ModelRunner, Scheduler, BlockManager
         if config.speculative is not None:  # the scheduler that plans drafts; the runner that verifies them
             from nanovllm.features.speculative.runner import SpeculativeRunner  # (a layer: loaded when asked for)
             from nanovllm.features.speculative.scheduling import SpeculativeScheduler
@@ -44,12 +44,15 @@ class LLMEngine(Frontend):
         if config.pipeline_parallel_size > 1:  # a runner that runs its stage's layers
             from nanovllm.distributed.pipeline import PipelineRunner  # (a layer: loaded when asked for)
             runner_class = PipelineRunner
+        if "linear_attention" in getattr(config.hf_config, "layer_types", ()):  # layers with a recurrent state
+            from nanovllm.features.state_cache import state_cache_classes  # (a layer: loaded when a model asks)
+            runner_class, scheduler_class, block_manager_class = state_cache_classes(config)
         workers = None
         if config.world_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
             from nanovllm.engine.workers import start_workers  # (tensor parallelism's: loaded when asked for)
             workers = start_workers(config, runner_class)
         self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
-        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
+        self.block_manager = block_manager_class(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.num_host_blocks)
         self.scheduler = scheduler_class(config, self.block_manager, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
@@ -288,7 +291,7 @@ class LLMEngine(Frontend):
     def attach_recorder(self, recorder):
         """Record every step from now on (bench.py: features/recorder.py's StepRecorder); None detaches."""
         self.recorder = recorder
-        self.model_runner.attach_recorder(recorder)
+        self.model_runner.recorder = recorder
 
     def stats(self) -> dict:
         """The engine's state now and its cumulative counts (features/stats.py's engine_stats)."""

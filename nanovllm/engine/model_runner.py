@@ -141,7 +141,7 @@ class ModelRunner:
         self.workers = workers  # rank 0 with tensor parallelism: the processes of ranks 1..
         self.group = group
         self.rank = group.rank if group is not None else 0
-        self.recorder = None    # bench.py's StepRecorder, when attached (features/recorder.py)
+        self.recorder = None    # bench.py's StepRecorder, timing each step's device work (LLMEngine.attach_recorder)
         self.last_message_bytes = 0
         try:
             self._build(config)
@@ -466,10 +466,6 @@ class ModelRunner:
             return {}
         stacked = to_device(np.stack([a.astype(dtype, copy=False) for a in arrays.values()]), self.device)
         return dict(zip(arrays, stacked))
-
-    def attach_recorder(self, recorder):
-        """Time every step's device work from now on (features/recorder.py's StepRecorder); None detaches."""
-        self.recorder = recorder
 
     def close(self):
         """End the worker processes (rank 0); the runner is unusable afterwards."""

@@ -4,7 +4,7 @@ one global in the released checkpoints (config.layer_types says which is which).
 Where it differs from the shared decoder (layers/transformer.py), each as transformers'
 modeling_gemma3.py computes it:
 - RMSNorm scales by (1 + weight), in float32 before rounding to the model's dtype (Llama rounds
-  first): GemmaRMSNorm; four of them a layer, around attention and the MLP (pre and post each),
+  first): layers/offset_norm.py; four of them a layer, around attention and the MLP (pre and post each),
   each sublayer's output normalized before it is added to the residual stream;
 - q and k normalized per head (the same norm) before RoPE, and scores scaled by
   query_pre_attn_scalar ** -0.5, not head_dim ** -0.5;
@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.offset_norm import OffsetRMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_parameters, rope_inv_freq
 from nanovllm.layers.sliding_window import SlidingWindowAttention
 from nanovllm.layers.transformer import (DecoderAttention, DecoderFlags, DecoderForCausalLM, GatedMLP, head_dim_of,
@@ -29,20 +30,6 @@ from nanovllm.utils.parallel import stage_layers
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = ("gelu_pytorch_tanh",)
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), in float32, then rounded to x's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
 
 
 def rope_of(config: PretrainedConfig, layer_type: str) -> dict:
@@ -74,8 +61,8 @@ class Gemma3Attention(DecoderAttention):
     def __init__(self, config: PretrainedConfig, layer_type: str, rotary_emb: RotaryEmbedding, prefix: str):
         bias = getattr(config, "attention_bias", False)
         super().__init__(config, rotary_emb, DecoderFlags(qkv_bias=bias, o_bias=bias), prefix)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         scale = config.query_pre_attn_scalar ** -0.5
         if layer_type == "sliding_attention":
             self.attn = SlidingWindowAttention(self.num_heads, self.head_dim, scale, self.num_kv_heads,
@@ -108,10 +95,10 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_type, rotary_emb, f"{prefix}.self_attn")
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, f"{prefix}.mlp")
         self.mlp.act_fn = GeluTanhAndMul()  # (in place of SiLU)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(config.hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attended = self.self_attn(positions, self.input_layernorm(hidden))
@@ -136,7 +123,7 @@ class Gemma3TextModel(nn.Module):
                  for kind in sorted(set(config.layer_types))}
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, kind, ropes[kind], f"model.layers.{i}")
                                     for i, kind in enumerate(config.layer_types))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -37,7 +37,7 @@ def tp_size() -> int:
 
 
 class HeldElsewhere(nn.Module):
-    """In place of a part of the model another pipeline stage holds (the loader skips its tensors)."""
+    """In place of a part of the model another pipeline stage holds, or none runs: the loader skips its tensors."""
 
 
 def stage_layers(num_layers: int) -> range:

@@ -69,9 +69,15 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     # local (sliding-window) and global attention layers, (1 + w) norms, tied head (Gemma3TextConfig's defaults)
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # three Gated DeltaNet layers and one gated full-attention layer (Qwen3_5TextConfig's layer_types)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
                 "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
+# Qwen3.5's linear-attention sizes: 2 key heads of 16, 4 value heads of 16 (two per key head)
+LINEAR_ATTENTION_SETTINGS = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+FAMILY_SETTINGS = {**MOE_SETTINGS, "qwen3_5": LINEAR_ATTENTION_SETTINGS}
 
 
 def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, chat_template: bool = False,
@@ -93,7 +99,7 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                     initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,
                     dtype="float32")
-    settings.update(MOE_SETTINGS.get(arch, {}))
+    settings.update(FAMILY_SETTINGS.get(arch, {}))
     settings.update(overrides)
     config_class, model_class = (getattr(transformers, name) for name in FAMILIES[arch])
     config = config_class(**settings)
