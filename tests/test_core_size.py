@@ -33,13 +33,16 @@ CORE_LINE_BUDGET = 3738
 # top-k/top-p/min-p filters (loaded by the first request with one), the mixture-of-experts
 # families, the server, the Hub (a model named by a folder needs none of it), dummy weights, the
 # tensor-parallel workers and their group, CUDA graphs and GPU memory sizing, and the fused
-# elementwise kernels (CUDA only, as the CUDA attention backends are loaded there only).
+# elementwise kernels (CUDA only, as the CUDA attention backends are loaded there only); the hybrid and
+# sliding-window families and their layers (issue 48).
 OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization",
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
                    "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
                    "nanovllm.utils.hub", "nanovllm.utils.dummy_weights", "nanovllm.engine.cuda_graphs",
                    "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory", "nanovllm.layers.fused_triton",
-                   "nanovllm.distributed", "nanovllm.utils.processes")
+                   "nanovllm.distributed", "nanovllm.utils.processes", "nanovllm.models.gemma3",
+                   "nanovllm.models.qwen3_5", "nanovllm.layers.sliding_window", "nanovllm.layers.gated_delta_net",
+                   "nanovllm.layers.offset_norm")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -110,7 +110,8 @@ def test_unsupported_architecture(family_dir, tmp_path):
     folder = edited_copy(family_dir("mistral"), tmp_path / "fancy", architectures=["FancyNewForCausalLM"])
     with pytest.raises(ValueError, match=r"unsupported model architecture 'FancyNewForCausalLM'; supported: "
                                          r"\['Gemma3ForCausalLM', 'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', "
-                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
+                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', "
+                                         r"'Qwen3_5ForConditionalGeneration'\]"):
         LLM(folder)
 
 

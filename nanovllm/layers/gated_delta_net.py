@@ -141,7 +141,7 @@ class ShardedChannels(nn.Module):
 
     def __init__(self, full_sizes: list[int], *trailing: int):
         super().__init__()
-        self.full_sizes = full_sizes
+        self.full_sizes, self.tp_rank = full_sizes, tp_rank()  # (the loader runs outside the build's TP scope)
         self.sizes = [divide(size, tp_size()) for size in full_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), *trailing), requires_grad=False)
 
@@ -149,7 +149,7 @@ class ShardedChannels(nn.Module):
         check_shape(loaded, (sum(self.full_sizes), *param.shape[1:]))
         parts, start = [], 0
         for full, size in zip(self.full_sizes, self.sizes):
-            parts.append(loaded[start + tp_rank() * size:start + (tp_rank() + 1) * size])
+            parts.append(loaded[start + self.tp_rank * size:start + (self.tp_rank + 1) * size])
             start += full
         param.data.copy_(torch.cat(parts))
 
@@ -159,12 +159,13 @@ class HeadParameter(nn.Module):
 
     def __init__(self, num_heads: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(divide(num_heads, tp_size())), requires_grad=False)
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.weight = nn.Parameter(torch.empty(divide(num_heads, self.tp_size)), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         local = param.shape[0]
-        check_shape(loaded, (local * tp_size(),))
-        param.data.copy_(loaded[tp_rank() * local:(tp_rank() + 1) * local])
+        check_shape(loaded, (local * self.tp_size,))
+        param.data.copy_(loaded[self.tp_rank * local:(self.tp_rank + 1) * local])
 
 
 class GatedDeltaNet(nn.Module):

@@ -22,11 +22,11 @@ from transformers import PretrainedConfig
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.gated_delta_net import GatedDeltaNet
-from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear, load_features
 from nanovllm.layers.offset_norm import OffsetRMSNorm
 from nanovllm.layers.rotary_embedding import apply_rotary, check_rope_parameters, rope_inv_freq, rope_parameters
 from nanovllm.layers.transformer import SILU_NAMES, GatedMLP, head_dim_of, num_kv_heads_of
-from nanovllm.utils.parallel import HeldElsewhere, stage_layers, tp_size
+from nanovllm.utils.parallel import HeldElsewhere, stage_layers
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # checkpoint prefixes of what a Qwen3_5ForConditionalGeneration checkpoint holds besides the text model
@@ -52,22 +52,33 @@ class PartialRotaryEmbedding(nn.Module):
         return torch.cat([rotated, x[..., self.rotary_dim:]], -1)
 
 
+class GatedQKVParallelLinear(QKVParallelLinear):
+    """q_proj (rows [q_h | gate_h] head by head: 2 * head_dim a head), k_proj and v_proj in one GEMM,
+    split as QKVParallelLinear splits them (KV heads copied where there are fewer than ranks)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, prefix: str):
+        super().__init__(hidden_size, head_dim, num_heads, num_kv_heads, bias, prefix)
+        q_size, kv_size = self.num_heads * head_dim * 2, self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden_size, q_size + 2 * kv_size, bias, prefix, [q_size, kv_size, kv_size])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+        if shard_id != "q":
+            return super().weight_loader(param, loaded, shard_id)
+        q_size = self.output_sizes[0]
+        load_features(param, loaded, (self.total_num_heads * self.head_dim * 2, self.input_size),
+                      out=(self.tp_rank * q_size, q_size, 0))
+
+
 class GatedAttention(nn.Module):
     """Full attention with an output gate: o_proj(attention(q, k, v) * sigmoid(gate))."""
 
     def __init__(self, config: PretrainedConfig, rotary_emb: PartialRotaryEmbedding, prefix: str):
         super().__init__()
         self.head_dim = head_dim_of(config)
-        heads, kv_heads = config.num_attention_heads, num_kv_heads_of(config)
-        if heads % tp_size() or kv_heads % tp_size():
-            raise ValueError(f"num_attention_heads={heads} and num_key_value_heads={kv_heads} must be multiples of "
-                             f"tensor_parallel_size={tp_size()} for Qwen3.5")
-        self.num_heads, self.num_kv_heads = heads // tp_size(), kv_heads // tp_size()
-        bias = getattr(config, "attention_bias", False)
-        # q_proj's rows are [q_h | gate_h] head by head: a rank's share of them is its heads' queries and gates
-        self.qkv_proj = MergedColumnParallelLinear(
-            config.hidden_size, [heads * self.head_dim * 2, kv_heads * self.head_dim, kv_heads * self.head_dim],
-            bias=bias, prefix=f"{prefix}.qkv_proj")
+        heads, bias = config.num_attention_heads, getattr(config, "attention_bias", False)
+        self.qkv_proj = GatedQKVParallelLinear(config.hidden_size, self.head_dim, heads, num_kv_heads_of(config),
+                                               bias, f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=bias, prefix=f"{prefix}.o_proj")
         self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
@@ -129,7 +140,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     """Qwen3.5's text model (Qwen3_5TextConfig). Pipeline parallelism and speculative decoding are
     not wired in (refused at start-up)."""
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
