@@ -64,6 +64,22 @@ PRESETS = {
                         num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=64,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                         max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
+    # Qwen3.5 0.8B's text model (Qwen/Qwen3.5-0.8B's text_config), bf16: 24 layers, every fourth full attention
+    # (8 heads, 2 KV heads of 256, a quarter of each rotated), the others Gated DeltaNet (16 key and 16 value
+    # heads of 128); its recurrent states take ~19 MiB a slot (features/state_cache.py)
+    "qwen3.5-0.8b": dict(architecture="Qwen3_5ForCausalLM", config_class="Qwen3_5TextConfig", vocab_size=248320,
+                         hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                         max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25}, dtype="bfloat16"),
+    # its shape at toy size (3 linear-attention layers, 1 full), for a CPU smoke run
+    "qwen3.5-tiny": dict(architecture="Qwen3_5ForCausalLM", config_class="Qwen3_5TextConfig", vocab_size=16384,
+                         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                         linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
 }
 # Quantized shapes: each preset above as a block-quantized FP8 checkpoint (Qwen3-*-FP8's config)
 # and an AWQ int4 one (Qwen3-*-AWQ's); their dummy weights are random codes and scales.

@@ -83,6 +83,7 @@ PLAN = [
     Step("fp8_kv_decode", "more", 6, False, "decode kernel micro-benchmark, fp8 KV cache"),
     Step("quantized", "more", 40, False, "bench.py short workload: bf16, fp8, fp8 block, AWQ, fp8 KV; probe vs bf16"),
     Step("multiturn", "more", 15, False, "bench_multiturn.py qwen3-0.6b, host tier off and on"),
+    Step("families", "more", 12, False, "bench.py qwen3.5-0.8b (hybrid: Gated DeltaNet state pool), 16 seqs"),
     Step("pipeline", "more", 5, False, "bench.py over 2 pipeline stages: each stage's busy share (2 GPUs)"),
 ]
 GROUPS = ["first", "tests", "more"]  # (in this order; "warm" runs beside "first")

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The warm-up jobs: a step, or one part of one (STEP:PART), each in its own process, all at once.
 WARM_UP = ["headline", "profile", "decode_kernel", "bench_moe", "batch1:plain", "batch1:ngram", "batch1:draft",
            "quant_gemm", "fp8_kv_decode", "quantized:bf16", "quantized:fp8", "quantized:fp8_block", "quantized:awq",
-           "quantized:fp8_kv", "multiturn"]
+           "quantized:fp8_kv", "multiturn", "families"]
 # (a KV cache of two max_model_len=4096 sequences: 512 blocks of 16 tokens, under 1 GB for Qwen3-0.6B,
 # or flash-attn's 32 blocks of 256)
 WARM_BENCH = ["--min-output-len", "16", "--max-output-len", "16", "--num-kvcache-blocks", "512"]
@@ -56,6 +56,10 @@ SPECULATION = {"plain": [],
                "ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
                "draft": ["--min-acceptance-rate", "0.9", "--speculative-config",
                          '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}']}
+# The hybrid family's step: Qwen3.5 0.8B's shape (Gated DeltaNet + full attention, features/state_cache.py)
+# on a short workload; 16 rows and 16 snapshots of ~19 MiB of recurrent state each.
+FAMILIES = ["--dummy", "qwen3.5-0.8b", "--num-seqs", "16", "--max-num-seqs", "16", "--max-input-len", "256",
+            "--max-output-len", "64", "--json"]
 QUANT = ["--num-seqs", "64", "--max-input-len", "512", "--max-output-len", "128", "--json"]
 # Each quantized run's probe (bench.py: the logprobs of a fixed prompt set; the dummy checkpoints
 # are the bf16 random model quantized) against the bf16 run's: bounds of the relative error, about
@@ -337,6 +341,14 @@ def bench_moe(ctx: Context):
     if ctx.warm:
         return "PASS", "warm", None
     return verdict(not r["failed_checks"]), f"Qwen3-30B-A3B shape, 64 sequences: {tok_s(r)}", r
+
+
+def families(ctx: Context):
+    """bench.py on Qwen3.5 0.8B's shape: the linear-attention layers' state pool and kernels on the GPU."""
+    r = bench(ctx, FAMILIES)
+    if ctx.warm:
+        return "PASS", "warm", None
+    return verdict(not r["failed_checks"]), f"Qwen3.5-0.8B shape, 16 sequences: {tok_s(r)}", r
 
 
 def batch1(ctx: Context):

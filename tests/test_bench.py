@@ -41,6 +41,23 @@ def test_gemma3_presets(preset):
     assert result["output_tokens"] == sum(max_tokens)
 
 
+@pytest.mark.parametrize("preset", ["qwen3.5-tiny", "qwen3.5-0.8b"])
+def test_qwen3_5_presets(preset):
+    """qwen3.5-0.8b is Qwen3.5 0.8B's text shape (24 layers, every fourth full attention); qwen3.5-tiny
+    runs on CPU through the state cache."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(bench.write_dummy_config(preset))
+    assert type(config).__name__ == "Qwen3_5TextConfig" and config.architectures == ["Qwen3_5ForCausalLM"]
+    if preset == "qwen3.5-0.8b":
+        assert config.layer_types.count("full_attention") == 6 and config.layer_types[3] == "full_attention"
+        assert (config.hidden_size, config.linear_num_value_heads, config.vocab_size) == (1024, 16, 248320)
+        return
+    result = bench.main(["--dummy", preset, "--num-seqs", "4", "--min-input-len", "80", "--max-input-len", "120",
+                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "256"])
+    _, max_tokens = bench.make_workload(4, 80, 120, 4, 8, 0, 16384)
+    assert result["output_tokens"] == sum(max_tokens)
+
+
 def test_cpu_smoke_run_with_hf_baseline(capsys):
     result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
                          "--min-output-len", "8", "--max-output-len", "32", "--device", "cpu", "--max-model-len", "256",

@@ -214,3 +214,37 @@ def test_gemma3_drafts_for_itself_with_every_draft_accepted(gemma_dir, prompts, 
         stats = llm.stats()
     assert stats["spec_num_draft_tokens"] > 0
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"]
+
+
+def test_the_multimodal_checkpoints_run_their_text_model(tmp_path, prompts):
+    """Gemma3ForConditionalGeneration (the 4B-27B checkpoints): config.json's text_config, the text
+    weights under model.language_model.*, the vision tower and projector skipped; greedy text equals
+    Hugging Face's for the whole model, prompts many windows long."""
+    import transformers
+    from nanovllm.utils.tiny_model import build_tokenizer
+    path = str(tmp_path / "gemma3_mm")
+    eos = build_tokenizer(path).convert_tokens_to_ids("<|endoftext|>")
+    text = dict(LAYERS, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
+                eos_token_id=eos)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=500, boi_token_index=501, eoi_token_index=502)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("norm.weight") and not param.any():
+                param.normal_(0.0, 0.2)
+    hf.save_pretrained(path)
+    chosen = prompts[3:6]
+    with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
+        assert type(llm.model_runner.model).__name__ == "Gemma3ForConditionalGeneration"
+        outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
+    for prompt, out in zip(chosen, outputs):
+        ids = torch.tensor([prompt])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out["token_ids"] == expected, f"prompt of {len(prompt)} tokens"

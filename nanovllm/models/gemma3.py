@@ -26,7 +26,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_paramet
 from nanovllm.layers.sliding_window import SlidingWindowAttention
 from nanovllm.layers.transformer import (DecoderAttention, DecoderFlags, DecoderForCausalLM, GatedMLP, head_dim_of,
                                          num_kv_heads_of)
-from nanovllm.utils.parallel import stage_layers
+from nanovllm.utils.parallel import HeldElsewhere, stage_layers
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = ("gelu_pytorch_tanh",)
@@ -156,6 +156,27 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         if logits is None or self.softcap is None:  # (None: a TP rank other than 0)
             return logits
         return torch.tanh(logits / self.softcap) * self.softcap
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's 4B-27B checkpoints (Gemma3Config; Config reads its text_config): the text model under
+    language_model.model.* (the Hub's files; transformers' own modules name it model.language_model.*);
+    the vision tower and its projector are skipped until the engine runs images."""
+    UNUSED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+    TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                     "language_model.lm_head.": "lm_head."}
+
+    def __init__(self, config: PretrainedConfig, max_position: int):
+        super().__init__(config, max_position)
+        self.unused = HeldElsewhere()  # where the loader drops the tensors of UNUSED_PREFIXES
+
+    def checkpoint_target(self, name: str) -> tuple[str | None, object]:
+        if name.startswith(self.UNUSED_PREFIXES):
+            return f"unused.{name}", None
+        for prefix, ours in self.TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                return super().checkpoint_target(ours + name[len(prefix):])
+        return super().checkpoint_target(name)
 
 
 def check_gemma3_config(config: PretrainedConfig):

@@ -24,7 +24,6 @@ class Context:
                   Split-KV decode sizes its split count from these two, never from B or W, so an eager
                   step and its graph replay (padded rows, W = max_blocks_per_seq) split alike.
     *_cpu         host copies, for backends that loop over sequences
-    states        linear-attention layers' slots (layers/gated_delta_net.py's StateStep); None for other models
     """
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -39,7 +38,7 @@ class Context:
     max_model_len: int = 0
     cu_seqlens_q_cpu: list[int] | None = None
     seq_lens_k_cpu: list[int] | None = None
-    states: object = None
+    states: object = None  # linear-attention layers' slots (layers/gated_delta_net.py's StateStep); else None
 
 
 _CONTEXT: Context | None = None
