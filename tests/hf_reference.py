@@ -20,6 +20,26 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
     return tokens
 
 
+@torch.inference_mode()
+def save_with_random_norms(model, path: str):
+    """Save a Hugging Face model built here, its norm weights that start at 0 ((1 + w) norms) drawn
+    at random first, as tiny_model.build_model draws them, so that their code paths are tested."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") and not param.any():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+
+
+@torch.inference_mode()
+def assert_outputs_equal_hf_model(model, prompts: list, outputs: list[dict]):
+    """Each output's tokens equal `model`'s (a Hugging Face model in memory) greedy, EOS ignored."""
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out["token_ids"]),
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
+
+
 def assert_greedy_matches_hf(llm, path: str, prompts: list, reference, params) -> list[dict]:
     """llm's greedy outputs of prompts (ignore_eos params) equal reference(path, prompt, n), token
     for token, and no KV block leaked; returns the outputs."""

@@ -41,8 +41,8 @@ OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.
                    "nanovllm.utils.hub", "nanovllm.utils.dummy_weights", "nanovllm.engine.cuda_graphs",
                    "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory", "nanovllm.layers.fused_triton",
                    "nanovllm.distributed", "nanovllm.utils.processes", "nanovllm.models.gemma3",
-                   "nanovllm.models.qwen3_5", "nanovllm.layers.sliding_window", "nanovllm.layers.gated_delta_net",
-                   "nanovllm.layers.offset_norm")
+                   "nanovllm.models.qwen3_5", "nanovllm.models.layer_kinds", "nanovllm.layers.sliding_window",
+                   "nanovllm.layers.gated_delta_net", "nanovllm.layers.offset_norm")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():  # (the triton backend's refusal below builds it on CPU: interpreted)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_reference import assert_greedy_matches_hf
+from hf_reference import assert_greedy_matches_hf, assert_outputs_equal_hf_model, save_with_random_norms
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sliding_window import gather_span, windowed_attend
 
@@ -234,17 +234,9 @@ def test_the_multimodal_checkpoints_run_their_text_model(tmp_path, prompts):
     config.architectures = ["Gemma3ForConditionalGeneration"]
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight") and not param.any():
-                param.normal_(0.0, 0.2)
-    hf.save_pretrained(path)
+    save_with_random_norms(hf, path)
     chosen = prompts[3:6]
     with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
         assert type(llm.model_runner.model).__name__ == "Gemma3ForConditionalGeneration"
         outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
-    for prompt, out in zip(chosen, outputs):
-        ids = torch.tensor([prompt])
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
+    assert_outputs_equal_hf_model(hf, chosen, outputs)

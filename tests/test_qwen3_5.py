@@ -6,7 +6,7 @@ recurrent form; the state pool's size; bad configs and options refused at start-
 import pytest
 import torch
 
-from hf_reference import assert_greedy_matches_hf
+from hf_reference import assert_greedy_matches_hf, assert_outputs_equal_hf_model, save_with_random_norms
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.gated_delta_net import (CHUNK_SIZE, causal_conv1d, chunk_gated_delta_rule, l2norm,
                                              recurrent_gated_delta_rule)
@@ -134,11 +134,7 @@ def test_the_hubs_conditional_generation_checkpoint_runs_its_text_model(tmp_path
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     torch.manual_seed(0)
     hf = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("norm.weight") and not param.any():
-                param.normal_(0.0, 0.2)
-    hf.save_pretrained(path)
+    save_with_random_norms(hf, path)
     weights = load_file(f"{path}/model.safetensors")
     assert any(k.startswith("model.visual.") for k in weights) and any(k.startswith("model.language_model.")
                                                                         for k in weights)
@@ -147,11 +143,7 @@ def test_the_hubs_conditional_generation_checkpoint_runs_its_text_model(tmp_path
     chosen = prompts[2:6]
     with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
         outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
-    for prompt, out in zip(chosen, outputs):
-        ids = torch.tensor([prompt])
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
+    assert_outputs_equal_hf_model(hf, chosen, outputs)
 
 
 # ---- memory ---------------------------------------------------------------------------------------

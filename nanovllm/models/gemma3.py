@@ -26,6 +26,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_paramet
 from nanovllm.layers.sliding_window import SlidingWindowAttention
 from nanovllm.layers.transformer import (DecoderAttention, DecoderFlags, DecoderForCausalLM, GatedMLP, head_dim_of,
                                          num_kv_heads_of)
+from nanovllm.models.layer_kinds import check_layer_types
 from nanovllm.utils.parallel import HeldElsewhere, stage_layers
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -184,13 +185,7 @@ def check_gemma3_config(config: PretrainedConfig):
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_activation={act!r} is not supported for Gemma 3; supported: {list(ACTIVATIONS)}")
-    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"layer type(s) {unknown} in config.layer_types are not supported; supported: "
-                         f"{list(LAYER_TYPES)}")
-    if len(config.layer_types) != config.num_hidden_layers:
-        raise ValueError(f"config.layer_types has {len(config.layer_types)} entries for "
-                         f"num_hidden_layers={config.num_hidden_layers}")
+    check_layer_types(config, LAYER_TYPES, "Gemma 3")
     for option in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if getattr(config, option, None):
             raise ValueError(f"{option}={getattr(config, option)!r} is not supported (Gemma 3's text models "

@@ -26,6 +26,7 @@ from nanovllm.layers.linear import LinearBase, QKVParallelLinear, RowParallelLin
 from nanovllm.layers.offset_norm import OffsetRMSNorm
 from nanovllm.layers.rotary_embedding import apply_rotary, check_rope_parameters, rope_inv_freq, rope_parameters
 from nanovllm.layers.transformer import SILU_NAMES, GatedMLP, head_dim_of, num_kv_heads_of
+from nanovllm.models.layer_kinds import check_layer_types
 from nanovllm.utils.parallel import HeldElsewhere, stage_layers
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -183,13 +184,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
 def check_qwen3_5_config(config: PretrainedConfig):
     """ValueError naming the option for whatever this module would compute differently from HF."""
-    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
-    if unknown:
-        raise ValueError(f"layer type(s) {unknown} in config.layer_types are not supported for Qwen3.5; supported: "
-                         f"{list(LAYER_TYPES)}")
-    if len(config.layer_types) != config.num_hidden_layers:
-        raise ValueError(f"config.layer_types has {len(config.layer_types)} entries for "
-                         f"num_hidden_layers={config.num_hidden_layers}")
+    check_layer_types(config, LAYER_TYPES, "Qwen3.5")
     act = getattr(config, "hidden_act", "silu")
     if act not in SILU_NAMES:
         raise ValueError(f"hidden_act={act!r} is not supported for Qwen3.5; supported: {list(SILU_NAMES)}")
