@@ -53,7 +53,7 @@ class LLMEngine(Frontend):
             workers = start_workers(config, runner_class)
         self.model_runner = runner_class(config, workers.group if workers is not None else None, workers)
         self.block_manager = block_manager_class(self.model_runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.model_runner.num_host_blocks)
+                                                 config.enable_prefix_caching, self.model_runner.num_host_blocks)
         self.scheduler = scheduler_class(config, self.block_manager, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self._seed_rng = random.Random()  # seeds for requests that bring none
