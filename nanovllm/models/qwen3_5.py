@@ -58,7 +58,8 @@ class GatedQKVParallelLinear(QKVParallelLinear):
     split as QKVParallelLinear splits them (KV heads copied where there are fewer than ranks)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, prefix: str):
-        super().__init__(hidden_size, head_dim, num_heads, num_kv_heads, bias, prefix)
+        super().__init__(hidden_size, head_dim, num_heads, num_kv_heads, bias, prefix)  # (the heads' split)
+        # the layer made again with its q part twice as wide (the weight built above is dropped: start-up only)
         q_size, kv_size = self.num_heads * head_dim * 2, self.num_kv_heads * head_dim
         LinearBase.__init__(self, hidden_size, q_size + 2 * kv_size, bias, prefix, [q_size, kv_size, kv_size])
 
