@@ -1,5 +1,9 @@
 """The Hugging Face reference the end-to-end tests compare against."""
 import torch
+from transformers import AutoModelForCausalLM
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.tiny_model import draw_zero_initialized
 
 _HF_MODELS = {}
 
@@ -7,37 +11,48 @@ _HF_MODELS = {}
 @torch.inference_mode()
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Reference: Hugging Face `generate`, float32 on CPU, greedy, one prompt alone, EOS ignored."""
-    from transformers import AutoModelForCausalLM
-
     if path not in _HF_MODELS:
         _HF_MODELS[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
-    # an explicit mask: generate would otherwise mask every prompt token equal to the pad id
-    out = _HF_MODELS[path].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)
-    tokens = out[0, len(prompt_ids):].tolist()
+    tokens = greedy_of(_HF_MODELS[path], prompt_ids, max_new_tokens)
     assert len(tokens) == max_new_tokens, "the reference stopped early"
     return tokens
 
 
 @torch.inference_mode()
+def greedy_of(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """A Hugging Face model's greedy completion of one prompt, EOS ignored."""
+    ids = torch.tensor([prompt_ids])
+    # an explicit mask: generate would otherwise mask every prompt token equal to the pad id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
 def save_with_random_norms(model, path: str):
-    """Save a Hugging Face model built here, its norm weights that start at 0 ((1 + w) norms) drawn
-    at random first, as tiny_model.build_model draws them, so that their code paths are tested."""
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight") and not param.any():
-            param.normal_(0.0, 0.2)
+    """Save a Hugging Face model built here, the parameters transformers zeroes at init drawn at
+    random first, as tiny_model.build_model draws them, so that their code paths are tested."""
+    draw_zero_initialized(model, 0.2)
     model.save_pretrained(path)
 
 
-@torch.inference_mode()
 def assert_outputs_equal_hf_model(model, prompts: list, outputs: list[dict]):
     """Each output's tokens equal `model`'s (a Hugging Face model in memory) greedy, EOS ignored."""
     for prompt, out in zip(prompts, outputs):
-        ids = torch.tensor([prompt])
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out["token_ids"]),
-                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
+        assert out["token_ids"] == greedy_of(model, prompt, len(out["token_ids"])), f"prompt of {len(prompt)} tokens"
+
+
+@torch.inference_mode()
+def assert_logprobs_equal_hf(path: str, prompts: list, **options):
+    """LLM(path, **options)'s logprob of each greedy token equals Hugging Face's log_softmax of its
+    logits within 1e-4 (what greedy tokens alone do not check: a soft-cap, a gate, an approximation)."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with LLM(path, **options) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
+                               use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        logprobs = hf(torch.tensor([prompt + out["token_ids"]])).logits[0].log_softmax(-1)
+        for i, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
+            assert abs(entry[token] - logprobs[len(prompt) - 1 + i, token].item()) < 1e-4
 
 
 def assert_greedy_matches_hf(llm, path: str, prompts: list, reference, params) -> list[dict]:

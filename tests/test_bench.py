@@ -24,38 +24,44 @@ def test_small_vocab_keeps_the_stream():
     assert max_tokens == full_max and prompts == [[t % 1000 for t in p] for p in full]
 
 
+def preset_config(preset: str):
+    """The Hugging Face config bench.py writes for a --dummy preset."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(bench.write_dummy_config(preset))
+
+
+def assert_short_cpu_run(preset: str):
+    """A short CPU run of the preset (4 sequences, prompts of 80-120 tokens) gives every token asked for."""
+    result = bench.main(["--dummy", preset, "--num-seqs", "4", "--min-input-len", "80", "--max-input-len", "120",
+                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "256"])
+    _, max_tokens = bench.make_workload(4, 80, 120, 4, 8, 0, 16384)
+    assert result["output_tokens"] == sum(max_tokens)
+
+
 @pytest.mark.parametrize("preset", ["gemma3-tiny", "gemma-3-1b"])
 def test_gemma3_presets(preset):
     """gemma-3-1b is Gemma 3 1B's shape (26 layers, every sixth global, window 512); gemma3-tiny runs
     on CPU, with prompts longer than its window of 64."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(bench.write_dummy_config(preset))
+    config = preset_config(preset)
     assert type(config).__name__ == "Gemma3TextConfig" and config.architectures == ["Gemma3ForCausalLM"]
     if preset == "gemma-3-1b":
         assert config.layer_types.count("full_attention") == 4 and config.layer_types[5] == "full_attention"
         assert (config.sliding_window, config.hidden_size, config.vocab_size) == (512, 1152, 262144)
         return
-    result = bench.main(["--dummy", preset, "--num-seqs", "4", "--min-input-len", "80", "--max-input-len", "120",
-                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "256"])
-    _, max_tokens = bench.make_workload(4, 80, 120, 4, 8, 0, 16384)
-    assert result["output_tokens"] == sum(max_tokens)
+    assert_short_cpu_run(preset)
 
 
 @pytest.mark.parametrize("preset", ["qwen3.5-tiny", "qwen3.5-0.8b"])
 def test_qwen3_5_presets(preset):
     """qwen3.5-0.8b is Qwen3.5 0.8B's text shape (24 layers, every fourth full attention); qwen3.5-tiny
     runs on CPU through the state cache."""
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(bench.write_dummy_config(preset))
+    config = preset_config(preset)
     assert type(config).__name__ == "Qwen3_5TextConfig" and config.architectures == ["Qwen3_5ForCausalLM"]
     if preset == "qwen3.5-0.8b":
         assert config.layer_types.count("full_attention") == 6 and config.layer_types[3] == "full_attention"
         assert (config.hidden_size, config.linear_num_value_heads, config.vocab_size) == (1024, 16, 248320)
         return
-    result = bench.main(["--dummy", preset, "--num-seqs", "4", "--min-input-len", "80", "--max-input-len", "120",
-                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "256"])
-    _, max_tokens = bench.make_workload(4, 80, 120, 4, 8, 0, 16384)
-    assert result["output_tokens"] == sum(max_tokens)
+    assert_short_cpu_run(preset)
 
 
 def test_cpu_smoke_run_with_hf_baseline(capsys):

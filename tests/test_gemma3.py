@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():  # (the triton backend's refusal below builds it on CPU: interpreted)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_reference import assert_greedy_matches_hf, assert_outputs_equal_hf_model, save_with_random_norms
+from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
+                          save_with_random_norms)
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sliding_window import gather_span, windowed_attend
 
@@ -169,19 +170,7 @@ def test_a_plain_prompt_batch_of_random_lengths(gemma_dir, reference):
 def test_gemma3_logprobs_equal_hf(gemma_dir, prompts, name):
     """Each emitted token's logprob equals Hugging Face's log_softmax of its logits (soft-capped
     where the config says: tanh keeps the argmax, so greedy tokens alone would not tell)."""
-    from transformers import AutoModelForCausalLM
-    path = gemma_dir(name)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    chosen = [prompts[1], prompts[4]]
-    with LLM(path, max_model_len=400) as llm:
-        outputs = llm.generate(chosen, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
-                               use_tqdm=False)
-    for prompt, out in zip(chosen, outputs):
-        ids = torch.tensor([prompt + out["token_ids"]])
-        with torch.no_grad():
-            logprobs = hf(ids).logits[0].log_softmax(-1)
-        for i, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
-            assert abs(entry[token] - logprobs[len(prompt) - 1 + i, token].item()) < 1e-4
+    assert_logprobs_equal_hf(gemma_dir(name), [prompts[1], prompts[4]], max_model_len=400)
 
 
 def test_the_embedding_scale_is_rounded_to_the_model_dtype(gemma_dir):

@@ -6,7 +6,8 @@ recurrent form; the state pool's size; bad configs and options refused at start-
 import pytest
 import torch
 
-from hf_reference import assert_greedy_matches_hf, assert_outputs_equal_hf_model, save_with_random_norms
+from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
+                          save_with_random_norms)
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.gated_delta_net import (CHUNK_SIZE, causal_conv1d, chunk_gated_delta_rule, l2norm,
                                              recurrent_gated_delta_rule)
@@ -100,19 +101,7 @@ def test_qwen3_5_tp2_matches_hf(qwen_dir, prompts, reference):
 def test_qwen3_5_logprobs_equal_hf(qwen_dir, prompts, name):
     """Each emitted token's logprob equals Hugging Face's log_softmax (the output gate, the partial
     RoPE and the gated norm change the logits where greedy tokens may not tell)."""
-    from transformers import AutoModelForCausalLM
-    path = qwen_dir(name)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    chosen = [prompts[1], prompts[4]]
-    with LLM(path, max_model_len=400, max_num_batched_tokens=32) as llm:
-        outputs = llm.generate(chosen, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
-                               use_tqdm=False)
-    for prompt, out in zip(chosen, outputs):
-        ids = torch.tensor([prompt + out["token_ids"]])
-        with torch.no_grad():
-            logprobs = hf(ids).logits[0].log_softmax(-1)
-        for i, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
-            assert abs(entry[token] - logprobs[len(prompt) - 1 + i, token].item()) < 1e-4
+    assert_logprobs_equal_hf(qwen_dir(name), [prompts[1], prompts[4]], max_model_len=400, max_num_batched_tokens=32)
 
 
 def test_the_hubs_conditional_generation_checkpoint_runs_its_text_model(tmp_path, prompts):

@@ -40,6 +40,7 @@ from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import SequenceStatus
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.gated_delta_net import GatedDeltaNet, StateStep
+from nanovllm.utils.context import to_device
 
 
 def state_cache_classes(config) -> tuple[type, type, type]:
@@ -193,14 +194,13 @@ class StateRunner(ModelRunner):
             return None
         fresh = batch.rows[batch.starts == 0]  # (sequences that start at position 0: from zeros)
         if len(fresh):
-            index = torch.from_numpy(fresh.astype(np.int64)).to(self.device)
+            index = to_device(fresh.astype(np.int64), self.device)
             self.conv_states[:, index] = 0
             self.ssm_states[:, index] = 0
         for snapshot, row in batch.state_loads:
             self.conv_states[:, row] = self.conv_states[:, snapshot]
             self.ssm_states[:, row] = self.ssm_states[:, snapshot]
-        rows = inputs.rows if inputs.context.decode_only else torch.from_numpy(batch.rows.astype(np.int64)).to(
-            self.device)
+        rows = inputs.rows if inputs.context.decode_only else to_device(batch.rows.astype(np.int64), self.device)
         inputs.context.states = StateStep(rows, batch.rows.tolist(),
                                           {i: (position, slot) for i, position, slot in batch.state_saves})
         return inputs

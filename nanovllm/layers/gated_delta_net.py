@@ -154,24 +154,10 @@ class ShardedChannels(nn.Module):
         param.data.copy_(torch.cat(parts))
 
 
-class HeadParameter(nn.Module):
-    """A per-value-head parameter ([Hv]: A_log, dt_bias), split across ranks with the heads."""
-
-    def __init__(self, num_heads: int):
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.weight = nn.Parameter(torch.empty(divide(num_heads, self.tp_size)), requires_grad=False)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        local = param.shape[0]
-        check_shape(loaded, (local * self.tp_size,))
-        param.data.copy_(loaded[self.tp_rank * local:(self.tp_rank + 1) * local])
-
-
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer: [T, hidden] -> [T, hidden]; checkpoint names as transformers'
     (linear_attn.in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d.weight, A_log, dt_bias,
-    norm.weight, out_proj); A_log and dt_bias load through `checkpoint_name` below.
+    norm.weight, out_proj); A_log and dt_bias ([Hv], its own parameters) load through its weight_loader.
 
     conv_state [slots, conv_dim, K - 1] and ssm_state [slots, Hv, Dk, Dv] (this rank's heads) are
     bound by the runner (features/state_cache.py); before that, and in the start-up warm-up step,
@@ -184,7 +170,7 @@ class GatedDeltaNet(nn.Module):
         if total_k % tp or total_v % tp or total_v % total_k:
             raise ValueError(f"linear_num_key_heads={total_k} and linear_num_value_heads={total_v} must both be "
                              f"multiples of tensor_parallel_size={tp}, and the value heads of the key heads")
-        self.num_k_heads, self.num_v_heads = total_k // tp, total_v // tp
+        self.num_k_heads, self.num_v_heads, self.num_v_heads_total = total_k // tp, total_v // tp, total_v
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         key_dim, value_dim = total_k * self.head_k_dim, total_v * self.head_v_dim
         self.kernel_size = config.linear_conv_kernel_dim
@@ -194,19 +180,19 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = ColumnParallelLinear(config.hidden_size, total_v, prefix=None)
         self.in_proj_a = ColumnParallelLinear(config.hidden_size, total_v, prefix=None)
         self.conv1d = ShardedChannels([key_dim, key_dim, value_dim], 1, self.kernel_size)
-        self.A_log, self.dt_bias = HeadParameter(total_v), HeadParameter(total_v)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.tp_rank = tp_rank()  # (the loader runs outside the build's TP scope)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_dim, config.hidden_size, prefix=f"{prefix}.out_proj")
         self.conv_dim = self.conv1d.weight.shape[0]
         self.conv_state = self.ssm_state = None
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        """Our parameter for a checkpoint name: A_log and dt_bias are modules' weights here."""
-        for part in (".A_log", ".dt_bias"):
-            if name.endswith(part):
-                return name + ".weight"
-        return name
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        """A_log or dt_bias: this rank's value heads of the checkpoint's [Hv]."""
+        local = param.shape[0]
+        check_shape(loaded, (self.num_v_heads_total,))
+        param.data.copy_(loaded[self.tp_rank * local:(self.tp_rank + 1) * local])
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's conv state and recurrent state shapes (this rank's share)."""
@@ -218,7 +204,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(hidden)                                            # [T, conv_dim]
         z = self.in_proj_z(hidden).view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = self.in_proj_b(hidden).sigmoid().float()                             # [T, Hv]
-        g = -self.A_log.weight.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias.weight)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]                                           # [conv_dim, K]
         states = context.states if self.conv_state is not None else None
         if states is not None and context.decode_only:

@@ -24,7 +24,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.gated_delta_net import GatedDeltaNet
 from nanovllm.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear, load_features
 from nanovllm.layers.offset_norm import OffsetRMSNorm
-from nanovllm.layers.rotary_embedding import apply_rotary, check_rope_parameters, rope_inv_freq, rope_parameters
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, check_rope_parameters, rope_parameters
 from nanovllm.layers.transformer import SILU_NAMES, GatedMLP, head_dim_of, num_kv_heads_of
 from nanovllm.models.layer_kinds import check_layer_types
 from nanovllm.utils.parallel import HeldElsewhere, stage_layers
@@ -34,17 +34,15 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 UNUSED_PREFIXES = ("model.visual.", "mtp.")
 
 
-class PartialRotaryEmbedding(nn.Module):
+class PartialRotaryEmbedding(RotaryEmbedding):
     """RoPE on the first `rotary_dim` dims of each head ("neox" pairs within them), the rest passed
-    through: transformers' apply_rotary_pos_emb with cos/sin of width rotary_dim."""
+    through: transformers' apply_rotary_pos_emb with cos/sin of width rotary_dim. (The tables are
+    RotaryEmbedding's for a head of rotary_dim; its fused kernel, which rotates whole heads, is not used.)"""
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
-        super().__init__()
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        full = {key: value for key, value in params.items() if key != "partial_rotary_factor"}
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), rope_inv_freq(self.rotary_dim, full))
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, rotary_dim / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        super().__init__(self.rotary_dim, max_position,
+                         {key: value for key, value in params.items() if key != "partial_rotary_factor"})
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated at its positions."""
@@ -165,8 +163,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         if name.startswith(UNUSED_PREFIXES):
             return f"unused.{name}", None
         name = name.replace("model.language_model.", "model.", 1)
-        if ".linear_attn." in name:
-            return GatedDeltaNet.checkpoint_name(name), None
         for part, (packed_part, shard_id) in self.packed_modules_mapping.items():
             if f".{part}." in name:
                 return name.replace(part, packed_part), shard_id

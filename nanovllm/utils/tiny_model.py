@@ -106,14 +106,19 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
     config.architectures = [model_class.__name__]
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    # transformers zeroes biases, and Gemma's (1 + w) norm weights, at init, which would leave their
-    # code paths untested (other families' norm weights start at 1: kept)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or (name.endswith("norm.weight") and not param.any()):
-                param.normal_(0.0, config.initializer_range)
+    draw_zero_initialized(model, config.initializer_range)
     model.save_pretrained(path)
     return path
+
+
+@torch.no_grad()
+def draw_zero_initialized(model, spread: float):
+    """Draw at random (normal, std `spread`) what transformers zeroes at init: biases, and the
+    (1 + w) norm weights of Gemma and Qwen3.5, whose code paths would otherwise go untested (other
+    families' norm weights start at 1: kept)."""
+    for name, param in model.named_parameters():
+        if name.endswith(".bias") or (name.endswith("norm.weight") and not param.any()):
+            param.normal_(0.0, spread)
 
 
 # ---- quantized checkpoints, in the published formats ----------------------------------------------
