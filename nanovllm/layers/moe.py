@@ -49,24 +49,29 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, block: tuple
     return fp8.dequantize_block(w, scale, block, dtype)
 
 
+def tokens_by_expert(ids: torch.Tensor, num_experts: int):
+    """Each expert that has tokens, in order, with its (token, slot) pairs: indices into the flattened
+    ids [T, k] (token = pair // k), in token order. The PyTorch references loop over these."""
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)                    # (token, slot) pairs by expert
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, order[start:start + count]
+        start += count
+
+
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   block: tuple[int, int] | None = None) -> torch.Tensor:
     """The reference: tokens grouped by expert, one gated MLP per expert that has tokens, each result
     scaled by its routing weight and added back to its token. x [T, H]; w13 [E, 2I, H]; w2 [E, H, I];
     weights, ids [T, k] -> [T, H] in x.dtype. FP8 weights are dequantized first (dequantize_experts)."""
-    num_tokens, top_k = ids.shape
-    flat_ids = ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)                    # (token, slot) pairs by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    top_k = ids.shape[1]
     flat_weights = weights.flatten()
     out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        pairs = order[start:start + count]
-        start += count
+    for expert, pairs in tokens_by_expert(ids, w13.shape[0]):
         tokens = pairs // top_k
         w13_e = dequantize_experts(w13[expert], None if w13_scale is None else w13_scale[expert], block, x.dtype)
         w2_e = dequantize_experts(w2[expert], None if w2_scale is None else w2_scale[expert], block, x.dtype)

@@ -32,15 +32,21 @@ def gather_span(cache: torch.Tensor, block_table: torch.Tensor, start: int, end:
     return span[start - first * block_size:end - first * block_size]
 
 
-def windowed_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
-                    length: int) -> torch.Tensor:
+def windowed_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
+                    length: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The last n = len(q) queries of a context of `length` tokens over its keys length - len(k) ..
     length - 1 (k, v [len(k), Hkv, D]: at least the window of the first query): query i, at
-    position length - n + i, sees keys at positions within window - 1 before it, and itself."""
+    position length - n + i, sees keys at positions within window - 1 before it, and itself
+    (window None: every key before it). sinks [H]: layers/attention_sinks.py's softmax."""
     n = q.shape[0]
     query_pos = torch.arange(length - n, length, device=q.device)[:, None]
     key_pos = torch.arange(length - k.shape[0], length, device=q.device)[None, :]
-    mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    if sinks is not None:
+        from nanovllm.layers.attention_sinks import attend_with_sinks
+        return attend_with_sinks(q, k, v, scale, mask, sinks)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
@@ -48,14 +54,16 @@ def windowed_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 class WindowedTorchBackend:
-    """The torch backend with a window: TorchBackend's store, attention over each query's window."""
+    """The torch backend with a window: TorchBackend's store, attention over each query's window
+    (None: the whole context, for attention sinks' full layers), with sinks where forward gets them."""
     elementwise = None
     store_kv = staticmethod(TorchBackend.store_kv)
 
-    def __init__(self, window: int):
+    def __init__(self, window: int | None):
         self.window = window
 
-    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
+    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None,
+                sinks=None):
         out = torch.empty_like(q)
         fp8 = k_cache is not None and k_cache.dtype == FP8_KV_DTYPE
         if fp8 and context.block_tables is None:  # what the cache holds for them (torch_ref.py says why)
@@ -64,7 +72,8 @@ class WindowedTorchBackend:
         cu_q, lens_k = context.cu_seqlens_q_cpu, context.seq_lens_k_cpu
         for i, length in enumerate(lens_k):
             start, end = cu_q[i], cu_q[i + 1]
-            first_key = max(0, length - (end - start) - self.window + 1)  # the first query's window
+            # the first query's window
+            first_key = 0 if self.window is None else max(0, length - (end - start) - self.window + 1)
             if context.block_tables is None:  # no cached context: the new K/V are the whole context
                 seq_k, seq_v = k[start:end][first_key:], v[start:end][first_key:]
             else:
@@ -72,7 +81,7 @@ class WindowedTorchBackend:
                 seq_v = gather_span(v_cache, context.block_tables[i], first_key, length)
                 if fp8:
                     seq_k, seq_v = dequantize_kv(seq_k, k_scale, q.dtype), dequantize_kv(seq_v, v_scale, q.dtype)
-            out[start:end] = windowed_attend(q[start:end], seq_k, seq_v, scale, self.window, length)
+            out[start:end] = windowed_attend(q[start:end], seq_k, seq_v, scale, self.window, length, sinks)
         return out
 
 
@@ -98,13 +107,18 @@ def windowed(backend, window: int):
                      f"not on {backend.__name__!r}: pass attention_backend='triton' (CUDA) or 'torch'")
 
 
+def check_window(window: int) -> int:
+    """window, if a positive int; else a ValueError naming it."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive int, got {window!r}")
+    return window
+
+
 class SlidingWindowAttention(Attention):
     """Attention over the last `window` positions. Binding a backend binds its windowed form."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, window: int):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"sliding_window must be a positive int, got {window!r}")
-        self.window = window
+        self.window = check_window(window)
         super().__init__(num_heads, head_dim, scale, num_kv_heads)
 
     @property

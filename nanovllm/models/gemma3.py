@@ -22,7 +22,8 @@ from transformers import PretrainedConfig
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.offset_norm import OffsetRMSNorm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, check_rope_parameters, rope_inv_freq
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.scaled_rope import check_scaled_rope, scaled_rotary_embedding
 from nanovllm.layers.sliding_window import SlidingWindowAttention
 from nanovllm.layers.transformer import (DecoderAttention, DecoderFlags, DecoderForCausalLM, GatedMLP, head_dim_of,
                                          num_kv_heads_of)
@@ -38,20 +39,6 @@ def rope_of(config: PretrainedConfig, layer_type: str) -> dict:
     params = dict((getattr(config, "rope_parameters", None) or {}).get(layer_type) or {})
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
-
-
-def rotary_embedding(head_dim: int, max_position: int, params: dict) -> RotaryEmbedding:
-    """RoPE of params; rope_type "linear" (positions divided by factor) as transformers computes it:
-    the default inverse frequencies divided by the factor, then the cos/sin tables."""
-    if params["rope_type"] != "linear":
-        return RotaryEmbedding(head_dim, max_position, params)
-    default = {**params, "rope_type": "default"}
-    rope = RotaryEmbedding(head_dim, max_position, default)
-    inv_freq = rope_inv_freq(head_dim, default) / params["factor"]
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-    rope.cos.copy_(freqs.cos())
-    rope.sin.copy_(freqs.sin())
-    return rope
 
 
 class Gemma3Attention(DecoderAttention):
@@ -120,7 +107,7 @@ class Gemma3TextModel(nn.Module):
         scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.get_default_dtype(), device="cpu")
         self.embed_scale = float(scale)
         # one cos/sin table per kind of layer, shared by the layers of that kind
-        ropes = {kind: rotary_embedding(head_dim_of(config), max_position, rope_of(config, kind))
+        ropes = {kind: scaled_rotary_embedding(head_dim_of(config), max_position, rope_of(config, kind))
                  for kind in sorted(set(config.layer_types))}
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, kind, ropes[kind], f"model.layers.{i}")
                                     for i, kind in enumerate(config.layer_types))
@@ -196,8 +183,7 @@ def check_gemma3_config(config: PretrainedConfig):
                          f"num_key_value_heads={kv_heads}")
     for kind in set(config.layer_types):
         params = rope_of(config, kind)
-        if params["rope_type"] == "linear":
-            if not params.get("factor"):
-                raise ValueError(f"rope_type 'linear' of the {kind} layers needs a factor")
-            params = {**params, "rope_type": "default"}
-        check_rope_parameters(params, head_dim)
+        if params["rope_type"] not in ("default", "linear"):
+            raise ValueError(f"rope_type {params['rope_type']!r} of the {kind} layers is not supported for Gemma 3; "
+                             f"supported: ['default', 'linear']")
+        check_scaled_rope(params, head_dim)

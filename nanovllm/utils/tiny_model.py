@@ -71,13 +71,21 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     # three Gated DeltaNet layers and one gated full-attention layer (Qwen3_5TextConfig's layer_types)
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    # sliding-window (16) and full layers, both with sinks; 4 experts with biases, 2 a token
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
                 "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
 # Qwen3.5's linear-attention sizes: 2 key heads of 16, 4 value heads of 16 (two per key head)
 LINEAR_ATTENTION_SETTINGS = dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
                                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
-FAMILY_SETTINGS = {**MOE_SETTINGS, "qwen3_5": LINEAR_ATTENTION_SETTINGS}
+# gpt-oss's: a clamp of 1.5 (the checkpoints' 7) so that the tiny experts' SwiGLU reaches it; YaRN over 64
+# positions (the checkpoints' 4,096), so that prompts of a few hundred tokens are past it
+GPT_OSS_SETTINGS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=16,
+                        swiglu_limit=1.5, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0,
+                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                           "original_max_position_embeddings": 64})
+FAMILY_SETTINGS = {**MOE_SETTINGS, "qwen3_5": LINEAR_ATTENTION_SETTINGS, "gpt_oss": GPT_OSS_SETTINGS}
 
 
 def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, chat_template: bool = False,
@@ -113,11 +121,12 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
 
 @torch.no_grad()
 def draw_zero_initialized(model, spread: float):
-    """Draw at random (normal, std `spread`) what transformers zeroes at init: biases, and the
+    """Draw at random (normal, std `spread`) what transformers zeroes at init: biases (gpt-oss's
+    experts' `..._bias` too), and the
     (1 + w) norm weights of Gemma and Qwen3.5, whose code paths would otherwise go untested (other
     families' norm weights start at 1: kept)."""
     for name, param in model.named_parameters():
-        if name.endswith(".bias") or (name.endswith("norm.weight") and not param.any()):
+        if name.endswith((".bias", "_bias")) or (name.endswith("norm.weight") and not param.any()):
             param.normal_(0.0, spread)
 
 

@@ -3,6 +3,8 @@
   fp8.py   FP8 e4m3: per-output-channel scales quantized at load from a bf16/fp32 checkpoint
            (quantization="fp8"), or the 128 x 128 block-scaled checkpoints (Qwen3-*-FP8)
   awq.py   AWQ int4 checkpoints (Qwen3-*-AWQ): 4 bits, groups of 128 inputs, zero points
+  mxfp4.py gpt-oss's MXFP4 experts (FP4 elements, a power-of-two scale per 32), dequantized at load;
+           its other layers are unquantized in the checkpoint, and stay so
 
 `QuantizationConfig.resolve(argument, hf_config)` checks that what the user asked for and config.json's
 quantization_config agree. Models built in its `quantization_scope` (layers/linear.py) call its
@@ -11,13 +13,14 @@ quantization_config agree. Models built in its `quantization_scope` (layers/line
 from dataclasses import dataclass
 
 QUANTIZATION_METHODS = ("fp8", "awq")
+MXFP4_MODEL_TYPES = ("gpt_oss",)  # checkpoints whose quant_method "mxfp4" (experts only) is read
 SUPPORTED_FP8_BLOCK = (128, 128)
 SUPPORTED_AWQ = {"bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """method: "fp8" or "awq". weight_block_size: fp8 checkpoints' (bn, bk) block (None: per-channel
+    """method: "fp8", "awq" or "mxfp4" (a checkpoint's only). weight_block_size: fp8 checkpoints' (bn, bk) block (None: per-channel
     scales, the weights quantized at load). group_size: awq's inputs per scale. serialized: the
     checkpoint holds quantized tensors (else they are quantized as they load).
     modules_to_not_convert: names (or name fragments) of layers the checkpoint keeps unquantized."""
@@ -42,6 +45,8 @@ class QuantizationConfig:
         if not isinstance(checkpoint, dict):
             checkpoint = checkpoint.to_dict()
         method = checkpoint.get("quant_method")
+        if method == "mxfp4":
+            return cls._mxfp4(argument, hf_config)
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"config.json's quantization_config has quant_method {method!r}; supported: "
                              f"{list(QUANTIZATION_METHODS)}")
@@ -52,6 +57,18 @@ class QuantizationConfig:
         if method == "fp8":
             return cls._fp8(checkpoint, skip)
         return cls._awq(checkpoint, skip)
+
+    @classmethod
+    def _mxfp4(cls, argument: str | None, hf_config) -> "QuantizationConfig":
+        """gpt-oss's checkpoints: MXFP4 experts (its experts module reads them), the rest unquantized."""
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in MXFP4_MODEL_TYPES:
+            raise ValueError(f"quant_method 'mxfp4' is supported for {list(MXFP4_MODEL_TYPES)} checkpoints (their "
+                             f"experts), not model_type {model_type!r}")
+        if argument is not None:
+            raise ValueError(f"quantization={argument!r} contradicts the checkpoint, whose config.json says "
+                             f"quant_method 'mxfp4'; pass quantization=None")
+        return cls("mxfp4", serialized=True)
 
     @classmethod
     def _fp8(cls, checkpoint: dict, skip: tuple[str, ...]) -> "QuantizationConfig":
@@ -94,7 +111,7 @@ class QuantizationConfig:
     def linear_method(self, prefix: str):
         """The method of the linear layer named `prefix` (None: unquantized), for layers/linear.py; a
         scheme's module is imported when a model is built with it."""
-        if self.skips(prefix):
+        if self.method == "mxfp4" or self.skips(prefix):  # (MXFP4: the experts alone, not linear layers)
             return None
         if self.method == "awq":
             from nanovllm.layers.quantization.awq import AwqLinearMethod

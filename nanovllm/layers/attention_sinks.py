@@ -1,0 +1,75 @@
+"""Attention sinks (gpt-oss): each head has a learned logit s_h that joins every query's softmax as
+one more "key" with no value, so a query can give part of its attention to nothing:
+
+    p_j = exp(l_j) / (exp(s_h) + sum_i exp(l_i)),   out = sum_j p_j v_j
+
+as transformers' eager_attention_forward computes it (the sink column appended to the scores,
+softmax, the column dropped). A query whose keys all score far below s_h returns about zero.
+
+SinkAttention is the layer: an Attention over a window (None: a full-attention layer) whose
+`sinks` [this rank's heads] are handed to the backend's forward. The torch backend computes the
+formula above (attend_with_sinks); the Triton and flash-attn kernels have no sink term yet, so a
+model with sinks is refused on them at start-up with a ValueError naming the option to pass.
+"""
+import torch
+from torch import nn
+
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.backends.torch_ref import TorchBackend
+from nanovllm.layers.sliding_window import WindowedTorchBackend, check_window
+from nanovllm.utils.context import get_context
+from nanovllm.utils.loader import check_shape
+from nanovllm.utils.parallel import tp_rank, tp_size
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """q [n, H, D], k/v [L, Hkv, D], mask [n, L] (True: visible), sinks [H] -> [n, H, D], in float32."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]    # (the sink's share dropped)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+class SinkAttention(Attention):
+    """Attention with a learned sink logit per head, over a window (int) or the whole context (None)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int, window: int | None):
+        self.window = None if window is None else check_window(window)
+        super().__init__(num_heads, head_dim, scale, num_kv_heads)
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)  # this rank's heads
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+
+    @property
+    def backend(self):
+        return self._windowed
+
+    @backend.setter
+    def backend(self, backend):
+        if backend is None:
+            self._windowed = None
+        elif backend is TorchBackend:
+            self._windowed = WindowedTorchBackend(self.window)
+        else:
+            name = getattr(backend, "__name__", type(backend).__name__)
+            raise ValueError(f"attention sinks (gpt-oss) run on attention_backend='torch' only, not on {name!r}: "
+                             f"the Triton and flash-attn kernels have no sink term yet; pass attention_backend='torch'")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        """The checkpoint's sinks [all heads]: this rank's heads (k_scale / v_scale: Attention's loader)."""
+        if param is not self.sinks:
+            return Attention.weight_loader(param, loaded)
+        heads = param.shape[0]
+        check_shape(loaded, (heads * self.tp_size,))
+        param.data.copy_(loaded[self.tp_rank * heads:(self.tp_rank + 1) * heads])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context = get_context()
+        if self.k_cache is not None and context.slot_mapping is not None:  # (the warm-up step stores nothing)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.k_scale,
+                                   self.v_scale, sinks=self.sinks)
+        return out.flatten(1)
