@@ -193,8 +193,44 @@ def test_bad_configs_are_refused(oss_dir, tmp_path, changes, match):
         LLM(edited(oss_dir("gpt_oss"), tmp_path / "bad", **changes))
 
 
-@pytest.mark.parametrize("backend", ["triton"])
-def test_sinks_on_a_backend_without_them_are_refused(oss_dir, backend):
-    pytest.importorskip(backend)
-    with pytest.raises(ValueError, match=r"attention sinks \(gpt-oss\) run on attention_backend='torch' only"):
-        LLM(oss_dir("gpt_oss"), attention_backend=backend)
+def test_gpt_oss_on_the_triton_backend_matches_hf(oss_dir, prompts, reference):
+    """The Triton kernels' sink term (under the interpreter on CPU): prefill chunks over cached
+    blocks, and decode rows, whose contexts split-KV splits (the sink added in the reduction)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    path = oss_dir("gpt_oss")
+    with LLM(path, attention_backend="triton", device="cpu", max_model_len=400, max_num_batched_tokens=64,
+             kvcache_block_size=16) as llm:
+        assert_greedy_matches_hf(llm, path, prompts[3:6], reference, GREEDY)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [0, 5])
+def test_triton_decode_with_sinks_equals_the_reference(num_splits, window):
+    """One split (the sink added in the decode kernel) and three (in the reduction), full and windowed."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from nanovllm.layers.backends.triton_attn import decode
+    g = torch.Generator().manual_seed(num_splits + window)
+    lengths, heads, kv_heads, dim, block = [1, 40, 77], 4, 2, 16, 16
+    k_cache, v_cache = (torch.randn(15, block, kv_heads, dim, generator=g) for _ in range(2))
+    tables = torch.randperm(15, generator=g).view(3, 5).int()
+    q = torch.randn(3, heads, dim, generator=g)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    got = decode(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32), tables, 0.25,
+                 num_splits=num_splits, window=window, sinks=sinks)
+    for b, length in enumerate(lengths):
+        k, v = (c[tables[b].long()].flatten(0, 1)[:length] for c in (k_cache, v_cache))
+        visible = torch.arange(length)[None, :] > length - 1 - (window or length + 1)
+        expected = attend_with_sinks(q[b:b + 1], k, v, 0.25, visible, sinks)
+        torch.testing.assert_close(got[b:b + 1], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_sinks_are_refused_on_flash_attn(oss_dir, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "fake_flash_attn"))
+    try:
+        with pytest.raises(ValueError, match=r"attention sinks \(gpt-oss\) run on attention_backend='torch' or "
+                                             r"'triton', not on 'FlashAttnBackend'"):
+            LLM(oss_dir("gpt_oss"), attention_backend="flash_attn", kvcache_block_size=256)
+    finally:
+        import sys
+        for name in ("flash_attn", "nanovllm.layers.backends.flash_attn"):
+            sys.modules.pop(name, None)

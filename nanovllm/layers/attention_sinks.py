@@ -8,15 +8,18 @@ softmax, the column dropped). A query whose keys all score far below s_h returns
 
 SinkAttention is the layer: an Attention over a window (None: a full-attention layer) whose
 `sinks` [this rank's heads] are handed to the backend's forward. The torch backend computes the
-formula above (attend_with_sinks); the Triton and flash-attn kernels have no sink term yet, so a
-model with sinks is refused on them at start-up with a ValueError naming the option to pass.
+formula above (attend_with_sinks); the Triton kernels add exp(s_h) to their softmax's running sum
+at the end (triton_attn._sink_share; split-KV decode in its reduction), which needs no change to
+the loop. flash-attn's kernels have no sink term: a model with sinks is refused there at start-up.
 """
+import inspect
+
 import torch
 from torch import nn
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends.torch_ref import TorchBackend
-from nanovllm.layers.sliding_window import WindowedTorchBackend, check_window
+from nanovllm.layers.sliding_window import WindowBound, WindowedTorchBackend, check_window
 from nanovllm.utils.context import get_context
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_rank, tp_size
@@ -53,10 +56,12 @@ class SinkAttention(Attention):
             self._windowed = None
         elif backend is TorchBackend:
             self._windowed = WindowedTorchBackend(self.window)
+        elif "sinks" in inspect.signature(backend.forward).parameters:  # the Triton backend's (window 0: none)
+            self._windowed = WindowBound(backend, self.window or 0)
         else:
             name = getattr(backend, "__name__", type(backend).__name__)
-            raise ValueError(f"attention sinks (gpt-oss) run on attention_backend='torch' only, not on {name!r}: "
-                             f"the Triton and flash-attn kernels have no sink term yet; pass attention_backend='torch'")
+            raise ValueError(f"attention sinks (gpt-oss) run on attention_backend='torch' or 'triton', not on "
+                             f"{name!r}: its kernels have no sink term; pass attention_backend='triton' (CUDA) or 'torch'")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         """The checkpoint's sinks [all heads]: this rank's heads (k_scale / v_scale: Attention's loader)."""

@@ -86,14 +86,17 @@ class WindowedTorchBackend:
 
 
 class WindowBound:
-    """A backend whose forward takes `window=` (the Triton backend's), with this layer's window bound."""
+    """A backend whose forward takes `window=` (the Triton backend's), with this layer's window bound
+    (0: none); `sinks=` passed on where the caller gives it (layers/attention_sinks.py)."""
 
     def __init__(self, backend, window: int):
         self.backend, self.window = backend, window
         self.elementwise, self.store_kv = backend.elementwise, backend.store_kv
 
-    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
-        return self.backend.forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale, window=self.window)
+    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None,
+                **sinks):
+        return self.backend.forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale, window=self.window,
+                                    **sinks)
 
 
 def windowed(backend, window: int):

@@ -67,6 +67,7 @@ from nanovllm.utils.context import Context
 LOG2E = 1.4426950408889634     # exp(x) == exp2(x * log2(e))
 # The initial running max (see above); a constexpr, as @triton.jit code may read no other globals.
 NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E_JIT = tl.constexpr(LOG2E)  # (the same, for @triton.jit code)
 FP8_MAX = tl.constexpr(448.0)  # e4m3fn's largest finite value (torch_ref.FP8_MAX): stored values clamp there
 
 # Tile sizes, each >= 16 (tl.dot's minimum on NVIDIA GPUs). Chosen by compiling for sm_90, untimed:
@@ -154,12 +155,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
 
 @triton.jit(do_not_specialize=PREFILL_DYNAMIC_ARGS)
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
-                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
+                    sinks_ptr, s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                     s_k0, s_k1, s_kh, s_kd, s_v0, s_v1, s_vh, s_vd, s_bt,
                     scale_log2, num_seqs, window,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                    SINKS: tl.constexpr):
     """Grid ((T * GROUP) // BLOCK_M + B, Hkv): work items, see "Work items" at the top.
 
     PAGED: K/V are caches [num_blocks, block_size, Hkv, D] (s_k0 = block stride, s_k1 = slot
@@ -169,7 +171,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
     context is the sequence's own new rows, cu_q[b] .. cu_q[b+1].
     KV_FP8: K/V (either kind) are fp8, dequantized with the scales (see the module's docstring).
     window > 0: a query at q_pos sees keys q_pos - window + 1 .. q_pos only (sliding-window layers);
-    the loop starts at the tile of the first query's first key.
+    the loop starts at the tile of the first query's first key. SINKS: sinks_ptr [H] (see _sink_share).
     """
     work = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -243,9 +245,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr
             m_i = m_new
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr)
+        if SINKS:
+            l_i += _sink_share(sinks_ptr, head, m_i, row_ok)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _sink_share(sinks_ptr, head, m, ok):
+    """Attention sinks (layers/attention_sinks.py): head's sink logit s joins the softmax's sum as
+    one more term, exp(s) in the running sum's units 2^(score * log2(e) - m): 2^(s * log2(e) - m)."""
+    sink = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32)
+    return tl.exp2(sink * LOG2E_JIT - m)
 
 
 @triton.jit
@@ -265,7 +277,7 @@ def _decode_queries(b, cu_q_ptr, max_queries, MIXED: tl.constexpr):
 
 @triton.jit(do_not_specialize=DECODE_DYNAMIC_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr,
-                   seq_lens_ptr, bt_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr,
+                   seq_lens_ptr, bt_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_bt,
                    s_mb, s_mh, s_ms,                     # mid_m / mid_l [B * max_queries, H, S]; mid_o [.., BLOCK_D]
@@ -273,7 +285,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    SPLIT_KV: tl.constexpr, MIXED: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   KV_FP8: tl.constexpr):
+                   KV_FP8: tl.constexpr, SINKS: tl.constexpr):
     """Grid (B, Hkv, num_splits). Sequence b's queries (_decode_queries: one in row b, or MIXED its
     n <= max_queries in rows cu_q[b] ..; a sequence with more idles, cu_q_ptr unused otherwise) at
     positions length - n .. length - 1; a program's rows are its (query, head-in-group) pairs of kv
@@ -284,7 +296,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
     variant. SPLIT_KV (num_splits > 1) selects writing partials for _reduce_kernel over writing
     `out`, at index b * max_queries + query. KV_FP8: the caches are fp8, dequantized with the
     scales (see the module's docstring). window > 0: each row sees only keys q_pos - window + 1 ..
-    q_pos, and the splits share the span from the first query's window on, not the whole context."""
+    q_pos, and the splits share the span from the first query's window on, not the whole context.
+    SINKS: sinks_ptr [H], added to the sum here (one split) or by _reduce_kernel (its partials')."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -349,16 +362,18 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_m_pt
         tl.store(mid_l_ptr + mid, l_i, mask=g_ok)
         tl.store(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_ok[:, None])
     else:
+        if SINKS:
+            l_i += _sink_share(sinks_ptr, head, m_i, g_ok)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=REDUCE_DYNAMIC_ARGS)
-def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cu_q_ptr,
+def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cu_q_ptr, sinks_ptr,
                    s_ot, s_oh, s_od, s_mb, s_mh, s_ms, num_splits, max_queries,
                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr, MIXED: tl.constexpr):
+                   BLOCK_D: tl.constexpr, MIXED: tl.constexpr, SINKS: tl.constexpr):
     """Grid (B * max_queries, H): for query i of sequence b (program b * max_queries + i; as
     _decode_kernel, _decode_queries' rows), out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
     M = max_s m_s. A query the sequence does not have reads and stores nothing."""
@@ -377,6 +392,8 @@ def _reduce_kernel(out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, cu_q_ptr,
     acc = tl.load(mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))                        # empty splits: m = NEG_BIG, l = 0, acc = 0
     total = tl.sum(w * l, 0)
+    if SINKS:
+        total += _sink_share(sinks_ptr, h, tl.max(m, 0), i < n)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + (row0 + i) * s_ot + h * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -463,7 +480,8 @@ def kv_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.
 
 
 def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, window: int = 0):
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, window: int = 0,
+             sinks: torch.Tensor | None = None):
     num_heads, num_kv_heads, head_dim = _check(q, k if k is not None else k_cache, context)
     group = num_heads // num_kv_heads
     batch = context.cu_seqlens_q.shape[0] - 1
@@ -487,15 +505,16 @@ def _prefill(q, k, v, k_cache, v_cache, context: Context, scale: float, out: tor
     if paged and _may_have_decode_rows(context):     # the decode rows of a mixed step: split-KV decode
         num_splits = context_num_splits(context, num_kv_heads, block_size, _num_sms(q.device))
         decode(q, k_cache, v_cache, seq_lens, bt, scale, out, num_splits, cu_seqlens_q=context.cu_seqlens_q,
-               k_scale=k_scale, v_scale=v_scale, window=window)
+               k_scale=k_scale, v_scale=v_scale, window=window, sinks=sinks)
     grid = (prefill_num_work_items(q.shape[0], batch, group, block_m), num_kv_heads)
     _prefill_kernel[grid](
-        q, key, value, out, context.cu_seqlens_q, seq_lens, bt, k_scale, v_scale,
+        q, key, value, out, context.cu_seqlens_q, seq_lens, bt, k_scale, v_scale, q if sinks is None else sinks,
         *q.stride(), *out.stride(), *ks, *vs, s_bt,
         scale * LOG2E, batch, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGED=paged,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=key.dtype == FP8_KV_DTYPE, num_warps=4, num_stages=2)
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=key.dtype == FP8_KV_DTYPE, SINKS=sinks is not None,
+        num_warps=4, num_stages=2)
     return out
 
 
@@ -535,7 +554,7 @@ def _decode_block_g(group: int, max_queries: int, dtype: torch.dtype, head_dim: 
 def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: torch.Tensor | None = None,
            num_splits: int | None = None, cu_seqlens_q: torch.Tensor | None = None,
            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-           max_queries: int = 1, window: int = 0) -> torch.Tensor:
+           max_queries: int = 1, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Split-KV paged decode: q [B, H, D], one query per sequence at its last position.
 
     cu_seqlens_q [B+1]: q and out are all T rows of the step, [T, H, D], and only the sequences with
@@ -543,6 +562,7 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
     rows (max_queries 1), or a verify step's 1 + k (each row sees keys up to its own position).
     No host sync: CUDA-graph safe. num_splits=None: decode_num_splits of these shapes. k_scale,
     v_scale: see kv_scales. window > 0: sliding-window attention (each row its last `window` keys).
+    sinks [H] (float32): attention sinks' logits (layers/attention_sinks.py).
     """
     num_rows, num_heads, head_dim = q.shape
     batch = block_tables.shape[0]
@@ -574,18 +594,18 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
     k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q, k_scale, v_scale,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        q if sinks is None else sinks, *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
         num_heads * num_splits, num_splits, 1,
         scale * LOG2E, num_splits, max_queries, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1, MIXED=mixed,
         BLOCK_G=_decode_block_g(group, max_queries, q.dtype, head_dim), BLOCK_N=DECODE_BLOCK_N,
         BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
-        num_warps=4, num_stages=2)
+        SINKS=sinks is not None, num_warps=4, num_stages=2)
     if num_splits > 1:
         _reduce_kernel[(batch * max_queries, num_heads)](
-            out, mid_o, mid_m, mid_l, cu_q, *out.stride(), num_heads * num_splits, num_splits, 1, num_splits,
-            max_queries, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d, MIXED=mixed, num_warps=4)
+            out, mid_o, mid_m, mid_l, cu_q, q if sinks is None else sinks, *out.stride(), num_heads * num_splits,
+            num_splits, 1, num_splits, max_queries, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d, MIXED=mixed, SINKS=sinks is not None, num_warps=4)
     return out
 
 
@@ -611,9 +631,9 @@ class TritonBackend:
 
     @staticmethod
     def forward(q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]; the same semantics as TorchBackend.forward
-        (window > 0: layers/sliding_window.py's WindowedTorchBackend's)."""
+        (window > 0, sinks [H]: layers/sliding_window.py's WindowedTorchBackend's)."""
         _check(q, k if k is not None else k_cache, context)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
@@ -627,5 +647,5 @@ class TritonBackend:
             num_splits = context_num_splits(context, num_kv_heads, k_cache.shape[1], _num_sms(q.device))
             return decode(q, k_cache, v_cache, context.seq_lens_k, context.block_tables, scale, out, num_splits,
                           cu_seqlens_q=None if context.decode_only else context.cu_seqlens_q,
-                          k_scale=k_scale, v_scale=v_scale, max_queries=max_queries, window=window)
-        return _prefill(q, k, v, k_cache, v_cache, context, scale, out, k_scale, v_scale, window)
+                          k_scale=k_scale, v_scale=v_scale, max_queries=max_queries, window=window, sinks=sinks)
+        return _prefill(q, k, v, k_cache, v_cache, context, scale, out, k_scale, v_scale, window, sinks)
