@@ -80,6 +80,21 @@ PRESETS = {
                          num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
                          linear_key_head_dim=32, linear_value_head_dim=32, max_position_embeddings=4096,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
+    # gpt-oss-20b (openai/gpt-oss-20b's config.json), its experts in bf16 (the checkpoint's MXFP4 is dequantized
+    # at load: ~38 GB for the 24 layers' 32 experts), sliding-window (128) and full layers alternating, sinks
+    # (attention on the triton and torch backends: layers/attention_sinks.py)
+    "gpt-oss-20b": dict(architecture="GptOssForCausalLM", config_class="GptOssConfig", vocab_size=201088,
+                        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096}, dtype="bfloat16"),
+    # its shape at toy size (a sliding and a full layer, 4 experts), for a CPU smoke run
+    "gpt-oss-tiny": dict(architecture="GptOssForCausalLM", config_class="GptOssConfig", vocab_size=16384,
+                         hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+                         sliding_window=64, max_position_embeddings=4096, dtype="float32"),
 }
 # Quantized shapes: each preset above as a block-quantized FP8 checkpoint (Qwen3-*-FP8's config)
 # and an AWQ int4 one (Qwen3-*-AWQ's); their dummy weights are random codes and scales.

@@ -27,13 +27,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The warm-up jobs: a step, or one part of one (STEP:PART), each in its own process, all at once.
 WARM_UP = ["headline", "profile", "decode_kernel", "bench_moe", "batch1:plain", "batch1:ngram", "batch1:draft",
            "quant_gemm", "fp8_kv_decode", "quantized:bf16", "quantized:fp8", "quantized:fp8_block", "quantized:awq",
-           "quantized:fp8_kv", "multiturn", "families"]
+           "quantized:fp8_kv", "multiturn", "families:qwen3.5-0.8b"]
 # (a KV cache of two max_model_len=4096 sequences: 512 blocks of 16 tokens, under 1 GB for Qwen3-0.6B,
 # or flash-attn's 32 blocks of 256)
 WARM_BENCH = ["--min-output-len", "16", "--max-output-len", "16", "--num-kvcache-blocks", "512"]
 WARM_BENCH_FLASH_ATTN_BLOCKS = "32"
 # The MoE preset's weights are ~61 GB: its step needs an 80 GB GPU, its warm-up (beside 14 other
-# jobs) more room than that.
+# jobs) more room than that. (gpt-oss-20b's ~41 GB are not warmed up either: its step compiles.)
 MOE_MIN_GPU_BYTES = 80e9
 MOE_WARM_UP_MIN_GPU_BYTES = 120e9
 
@@ -56,10 +56,13 @@ SPECULATION = {"plain": [],
                "ngram": ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
                "draft": ["--min-acceptance-rate", "0.9", "--speculative-config",
                          '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}']}
-# The hybrid family's step: Qwen3.5 0.8B's shape (Gated DeltaNet + full attention, features/state_cache.py)
-# on a short workload; 16 rows and 16 snapshots of ~19 MiB of recurrent state each.
-FAMILIES = ["--dummy", "qwen3.5-0.8b", "--num-seqs", "16", "--max-num-seqs", "16", "--max-input-len", "256",
-            "--max-output-len", "64", "--json"]
+# The new families' step, a short workload each: Qwen3.5 0.8B's shape (Gated DeltaNet + full attention,
+# features/state_cache.py; 16 rows and 16 snapshots of ~19 MiB of recurrent state each), and gpt-oss-20b's
+# (sinks and windows in the Triton kernels, its experts ~38 GB of bf16: the torch expert loop).
+FAMILY_WORKLOAD = ["--num-seqs", "16", "--max-num-seqs", "16", "--max-input-len", "256", "--max-output-len", "64",
+                   "--json"]
+FAMILIES = {"qwen3.5-0.8b": ["--dummy", "qwen3.5-0.8b"] + FAMILY_WORKLOAD,
+            "gpt-oss-20b": ["--dummy", "gpt-oss-20b", "--attention-backend", "triton"] + FAMILY_WORKLOAD}
 QUANT = ["--num-seqs", "64", "--max-input-len", "512", "--max-output-len", "128", "--json"]
 # Each quantized run's probe (bench.py: the logprobs of a fixed prompt set; the dummy checkpoints
 # are the bf16 random model quantized) against the bf16 run's: bounds of the relative error, about
@@ -344,11 +347,19 @@ def bench_moe(ctx: Context):
 
 
 def families(ctx: Context):
-    """bench.py on Qwen3.5 0.8B's shape: the linear-attention layers' state pool and kernels on the GPU."""
-    r = bench(ctx, FAMILIES)
+    """bench.py on the new families' shapes (FAMILIES): their layers and kernels on the GPU."""
+    results, ok = {}, True
+    for name, args in FAMILIES.items():
+        if not ctx.wants(name):
+            continue
+        r = results[name] = bench(ctx, args)
+        if ctx.warm:
+            continue
+        ok &= not r["failed_checks"]
+        ctx.note(f"{name} shape, 16 sequences: {tok_s(r)}")
     if ctx.warm:
         return "PASS", "warm", None
-    return verdict(not r["failed_checks"]), f"Qwen3.5-0.8B shape, 16 sequences: {tok_s(r)}", r
+    return verdict(ok), "; ".join(ctx.notes), results
 
 
 def batch1(ctx: Context):

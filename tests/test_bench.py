@@ -64,6 +64,20 @@ def test_qwen3_5_presets(preset):
     assert_short_cpu_run(preset)
 
 
+@pytest.mark.parametrize("preset", ["gpt-oss-tiny", "gpt-oss-20b"])
+def test_gpt_oss_presets(preset):
+    """gpt-oss-20b is its shape (24 layers alternating window 128 and full, 32 experts, YaRN);
+    gpt-oss-tiny runs on CPU, with prompts longer than its window of 64."""
+    config = preset_config(preset)
+    assert type(config).__name__ == "GptOssConfig" and config.architectures == ["GptOssForCausalLM"]
+    if preset == "gpt-oss-20b":
+        assert config.layer_types[:2] == ["sliding_attention", "full_attention"] and config.num_local_experts == 32
+        assert (config.sliding_window, config.hidden_size, config.vocab_size) == (128, 2880, 201088)
+        assert config.rope_parameters["rope_type"] == "yarn"
+        return
+    assert_short_cpu_run(preset)
+
+
 def test_cpu_smoke_run_with_hf_baseline(capsys):
     result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
                          "--min-output-len", "8", "--max-output-len", "32", "--device", "cpu", "--max-model-len", "256",

@@ -34,7 +34,7 @@ CORE_LINE_BUDGET = 3738
 # families, the server, the Hub (a model named by a folder needs none of it), dummy weights, the
 # tensor-parallel workers and their group, CUDA graphs and GPU memory sizing, and the fused
 # elementwise kernels (CUDA only, as the CUDA attention backends are loaded there only); the hybrid and
-# sliding-window families and their layers (issue 48).
+# sliding-window families and their layers, gpt-oss and its sinks and YaRN (issue 48).
 OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.quantization",
                    "nanovllm.layers.top_k_top_p", "nanovllm.models.sparse", "nanovllm.models.mixtral",
                    "nanovllm.models.qwen3_moe", "nanovllm.entrypoints", "nanovllm.engine.workers",
@@ -42,7 +42,8 @@ OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.
                    "nanovllm.utils.tp_group", "nanovllm.engine.gpu_memory", "nanovllm.layers.fused_triton",
                    "nanovllm.distributed", "nanovllm.utils.processes", "nanovllm.models.gemma3",
                    "nanovllm.models.qwen3_5", "nanovllm.models.layer_kinds", "nanovllm.layers.sliding_window",
-                   "nanovllm.layers.gated_delta_net", "nanovllm.layers.offset_norm")
+                   "nanovllm.layers.gated_delta_net", "nanovllm.layers.offset_norm", "nanovllm.models.gpt_oss",
+                   "nanovllm.layers.attention_sinks", "nanovllm.layers.scaled_rope")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # (the triton backend's refusal below builds 
 
 from hf_reference import assert_greedy_matches_hf, assert_logprobs_equal_hf
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.attention_sinks import attend_with_sinks
+from nanovllm.layers.sliding_window import attend_with_sinks
 from nanovllm.layers.quantization import mxfp4
 from nanovllm.utils.tiny_model import GPT_OSS_SETTINGS, edit_model
 

@@ -47,7 +47,7 @@ def test_the_plan_puts_the_headline_first_and_fits_its_limits(tmp_path):
     # every step has its function, every warm-up job names a later step (and a part it has)
     for step in gpu_check.PLAN[1:]:
         assert callable(getattr(gpu_steps, step.name)), step.name
-    parts = {"batch1": gpu_steps.SPECULATION, "quantized": gpu_steps.QUANTIZED}
+    parts = {"batch1": gpu_steps.SPECULATION, "quantized": gpu_steps.QUANTIZED, "families": gpu_steps.FAMILIES}
     for job in gpu_steps.WARM_UP:
         name, _, part = job.partition(":")
         assert name in {s.name for s in gpu_check.PLAN[2:]}, job

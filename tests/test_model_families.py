@@ -109,8 +109,9 @@ def edited_copy(src, dst, **changes):
 def test_unsupported_architecture(family_dir, tmp_path):
     folder = edited_copy(family_dir("mistral"), tmp_path / "fancy", architectures=["FancyNewForCausalLM"])
     with pytest.raises(ValueError, match=r"unsupported model architecture 'FancyNewForCausalLM'; supported: "
-                                         r"\['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', 'LlamaForCausalLM', "
-                                         r"'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM', "
+                                         r"\['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', 'GptOssForCausalLM', "
+                                         r"'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', "
+                                         r"'Qwen3ForCausalLM', "
                                          r"'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration'\]"):
         LLM(folder)
 

@@ -8,7 +8,7 @@ softmax, the column dropped). A query whose keys all score far below s_h returns
 
 SinkAttention is the layer: an Attention over a window (None: a full-attention layer) whose
 `sinks` [this rank's heads] are handed to the backend's forward. The torch backend computes the
-formula above (attend_with_sinks); the Triton kernels add exp(s_h) to their softmax's running sum
+formula above (sliding_window.attend_with_sinks, beside the window's attention); the Triton kernels add exp(s_h) to their softmax's running sum
 at the end (triton_attn._sink_share; split-KV decode in its reduction), which needs no change to
 the loop. flash-attn's kernels have no sink term: a model with sinks is refused there at start-up.
 """
@@ -23,18 +23,6 @@ from nanovllm.layers.sliding_window import WindowBound, WindowedTorchBackend, ch
 from nanovllm.utils.context import get_context
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_rank, tp_size
-
-
-def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
-                      sinks: torch.Tensor) -> torch.Tensor:
-    """q [n, H, D], k/v [L, Hkv, D], mask [n, L] (True: visible), sinks [H] -> [n, H, D], in float32."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
-    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]    # (the sink's share dropped)
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
 class SinkAttention(Attention):

@@ -45,12 +45,24 @@ def windowed_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if window is not None:
         mask &= key_pos > query_pos - window
     if sinks is not None:
-        from nanovllm.layers.attention_sinks import attend_with_sinks
         return attend_with_sinks(q, k, v, scale, mask, sinks)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head (layers/attention_sinks.py): q [n, H, D], k/v [L, Hkv, D],
+    mask [n, L] (True: visible), sinks [H] -> [n, H, D], computed in float32."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)
+    probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]    # (the sink's share dropped)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
 class WindowedTorchBackend:
