@@ -40,8 +40,8 @@ class Config:
         (distributed/nodes.py; node 0 runs the engine, the others `nanovllm serve MODEL --headless ...`):
         node 0's address and a free port there (None: MASTER_ADDR / MASTER_PORT); seconds to wait for nodes.
     max_num_seqs: sequences per step.  max_num_batched_tokens: tokens per step (longer prompts
-        are prefilled in chunks).  max_model_len: prompt + completion cap (at most the model's
-        max_position_embeddings).  gpu_memory_utilization: share of GPU memory the engine may use.
+        are prefilled in chunks).  max_model_len: prompt + completion cap, at most the model's
+        max_position_embeddings (the default is capped).  gpu_memory_utilization: GPU memory share to use.
     kvcache_block_size: tokens per KV block (None: 256 for flash_attn, else 16).
     num_kvcache_blocks: KV blocks (None: sized from free GPU memory, or a fixed budget on CPU).
     enable_prefix_caching: share KV blocks between requests with a common prefix.
@@ -172,9 +172,10 @@ class Config:
             raise ValueError(f"cannot read {self.model}/config.json: {e}") from e
         text = self.hf_config.get_text_config()  # a multimodal checkpoint's text model (Qwen3.5's); else itself
         text.architectures, self.hf_config = self.hf_config.architectures, text
-        max_positions = getattr(self.hf_config, "max_position_embeddings", None)
-        if max_positions is not None:
-            self.max_model_len = min(self.max_model_len, max_positions)
+        max_positions = getattr(self.hf_config, "max_position_embeddings", None) or self.max_model_len
+        if self.max_model_len > max_positions and self.max_model_len != type(self).max_model_len:  # (asked for)
+            raise ValueError(f"max_model_len={self.max_model_len} is beyond max_position_embeddings={max_positions}")
+        self.max_model_len = min(self.max_model_len, max_positions)  # (the default: capped)
         # EOS ids of config.json and generation_config.json together (instruct checkpoints, Qwen2.5/3,
         # list their chat turn's end besides <|endoftext|>; HF and vLLM stop at either; empty: the
         # tokenizer's), read here so that a broken generation_config.json is a ValueError at start-up.

@@ -193,6 +193,15 @@ def test_bad_configs_are_refused(oss_dir, tmp_path, changes, match):
         LLM(edited(oss_dir("gpt_oss"), tmp_path / "bad", **changes))
 
 
+def test_a_max_model_len_beyond_the_models_positions_is_refused(oss_dir):
+    """Asked for, it is a ValueError naming both (a sliding window hides nothing past the positions
+    RoPE was trained for); the default 4096 is capped at the model's 1024."""
+    with pytest.raises(ValueError, match=r"max_model_len=2048 is beyond max_position_embeddings=1024"):
+        LLM(oss_dir("gpt_oss"), max_model_len=2048)
+    with LLM(oss_dir("gpt_oss")) as llm:
+        assert llm.config.max_model_len == 1024
+
+
 def test_gpt_oss_on_the_triton_backend_matches_hf(oss_dir, prompts, reference):
     """The Triton kernels' sink term (under the interpreter on CPU): prefill chunks over cached
     blocks, and decode rows, whose contexts split-KV splits (the sink added in the reduction)."""

@@ -112,7 +112,8 @@ def test_unsupported_architecture(family_dir, tmp_path):
                                          r"\['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', 'GptOssForCausalLM', "
                                          r"'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', "
                                          r"'Qwen3ForCausalLM', "
-                                         r"'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration'\]"):
+                                         r"'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', "
+                                         r"'Qwen3_5MoeForCausalLM', 'Qwen3_5MoeForConditionalGeneration'\]"):
         LLM(folder)
 
 

@@ -97,14 +97,15 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_type: str, rotary_emb: PartialRotaryEmbedding, prefix: str):
+    def __init__(self, config: PretrainedConfig, layer_type: str, rotary_emb: PartialRotaryEmbedding, mlp: nn.Module,
+                 prefix: str):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(config, f"{prefix}.linear_attn")
         else:
             self.self_attn = GatedAttention(config, rotary_emb, f"{prefix}.self_attn")
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, f"{prefix}.mlp")
+        self.mlp = mlp  # a GatedMLP, or Qwen3.5-MoE's experts (models/qwen3_5_moe.py)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,15 +119,16 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5TextModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int):
+    def __init__(self, config: PretrainedConfig, max_position: int, build_mlp):
         super().__init__()
         if stage_layers(config.num_hidden_layers) != range(config.num_hidden_layers):
             raise ValueError("pipeline_parallel_size > 1 is not supported for Qwen3.5 (its layers keep the residual "
                              "stream themselves, unlike the shared decoder's stages); use tensor_parallel_size instead")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = PartialRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, kind, rotary_emb, f"model.layers.{i}")
-                                    for i, kind in enumerate(config.layer_types))
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, kind, rotary_emb, build_mlp(config, f"model.layers.{i}.mlp"), f"model.layers.{i}")
+            for i, kind in enumerate(config.layer_types))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -148,11 +150,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):
         check_qwen3_5_config(config)
 
+    @staticmethod
+    def build_mlp(config: PretrainedConfig, prefix: str) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, False, prefix)
+
     def __init__(self, config: PretrainedConfig, max_position: int):
         super().__init__()
         self.check_config(config, max_position)
         self.config = config
-        self.model = Qwen3_5TextModel(config, max_position)
+        self.model = Qwen3_5TextModel(config, max_position, self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

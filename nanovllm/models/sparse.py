@@ -67,12 +67,18 @@ class SparseDecoderForCausalLM(DecoderForCausalLM):
                          config.num_experts_per_tok, cls.renormalize(config), quantization)
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
-        match = EXPERT_TENSOR.search(name)
-        if match is None:
-            return super().checkpoint_target(name)
-        expert = int(match.group(1))
-        if expert >= num_experts_of(self.config):  # an expert the config does not have
-            return None, None
-        packed = "w2" if EXPERT_PART[match.group(2)] == "down" else "w13"
-        scale = match.group(3) or ""                       # "_scale_inv": the weight's FP8 block scales
-        return f"{name[:match.start()]}.experts.{packed}{scale}", (expert, EXPERT_PART[match.group(2)])
+        return expert_target(name, num_experts_of(self.config)) or super().checkpoint_target(name)
+
+
+def expert_target(name: str, num_experts: int) -> tuple[str | None, object] | None:
+    """An expert's checkpoint tensor's packed parameter and (expert, part); (None, None) for an
+    expert the config does not have; None for any other tensor."""
+    match = EXPERT_TENSOR.search(name)
+    if match is None:
+        return None
+    expert = int(match.group(1))
+    if expert >= num_experts:
+        return None, None
+    packed = "w2" if EXPERT_PART[match.group(2)] == "down" else "w13"
+    scale = match.group(3) or ""                       # "_scale_inv": the weight's FP8 block scales
+    return f"{name[:match.start()]}.experts.{packed}{scale}", (expert, EXPERT_PART[match.group(2)])

@@ -73,6 +73,8 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     # sliding-window (16) and full layers, both with sinks; 4 experts with biases, 2 a token
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    # Qwen3.5's layers, each MLP 4 experts (2 a token) and a gated shared expert
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
 MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
                 "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
@@ -85,7 +87,9 @@ GPT_OSS_SETTINGS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate
                         swiglu_limit=1.5, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0,
                                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                            "original_max_position_embeddings": 64})
-FAMILY_SETTINGS = {**MOE_SETTINGS, "qwen3_5": LINEAR_ATTENTION_SETTINGS, "gpt_oss": GPT_OSS_SETTINGS}
+FAMILY_SETTINGS = {**MOE_SETTINGS, "qwen3_5": LINEAR_ATTENTION_SETTINGS, "gpt_oss": GPT_OSS_SETTINGS,
+                   "qwen3_5_moe": dict(LINEAR_ATTENTION_SETTINGS, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, shared_expert_intermediate_size=48)}
 
 
 def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: int = 0, chat_template: bool = False,
