@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # (the triton backend's refusal below builds 
 from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
                           save_with_random_norms)
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.block_manager import chain_hash
 from nanovllm.layers.sliding_window import gather_span, windowed_attend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -64,6 +65,58 @@ def test_gemma3_prefix_cache_and_preemption(gemma_dir, prompts, reference):
         # five prompts of two blocks each, all admitted; each needs a third block as it decodes
         assert_greedy_matches_hf(llm, path, [p[:32] for p in prompts if len(p) >= 32], reference, GREEDY)
         assert llm.stats()["num_preemptions"] > 0
+
+
+def test_a_sliding_window_layer_holds_its_window_not_the_sequence(gemma_dir, prompts, reference):
+    """features/window_blocks.py: the local layers' blocks are a pool of their own, and a sequence
+    holds there the blocks its next query's window reads: at most window / block + 1 = 2 once
+    decoding, those of a 64-token chunk and the window before it while prefilling (6), while the
+    global layer's pool holds every block. Nothing is left held after."""
+    path = gemma_dir("gemma3")
+    with LLM(path, max_model_len=400, kvcache_block_size=16, max_num_batched_tokens=64) as llm:
+        manager, runner = llm.block_manager, llm.model_runner
+        assert len(runner.attention_layers) == 1 and len(runner.window_layers) == 2
+        assert runner.window_block_bytes() == 2 * runner.kv_block_bytes()  # (two local layers, one global)
+        seqs = [seq for p in prompts[-3:] for seq in llm.add_request(p, GREEDY)]  # 150, 257, 300 tokens
+        most_decoding = most_prefilling = 0
+        while not llm.is_finished():
+            llm.step()
+            for seq in seqs:
+                table = manager.tables.get(seq.seq_id)
+                if table is None:
+                    continue
+                live = len(table.blocks) - table.first
+                assert len(seq.block_table) * 16 >= seq.num_computed_tokens  # (the global layer's: all)
+                if seq.num_computed_tokens > seq.num_prompt_tokens:
+                    most_decoding = max(most_decoding, live)
+                else:
+                    most_prefilling = max(most_prefilling, live)
+        assert most_decoding == WINDOW // 16 + 1 and most_prefilling <= (64 + WINDOW - 1) // 16 + 2
+        assert manager.window.num_free_blocks == manager.window.num_blocks and not manager.tables
+        assert [seq.completion_token_ids for seq in seqs] == [reference(path, p, 16) for p in prompts[-3:]]
+
+
+def test_a_prefix_hit_ends_where_the_window_blocks_are_gone(gemma_dir, prompts, reference):
+    """A cached prefix resumes only where the local layers' pool still holds the window before it:
+    once other prompts have reused those blocks, a repeated prompt whose global blocks are all still
+    cached recomputes (0 cached tokens) and equals HF."""
+    path = gemma_dir("gemma3")
+    long = prompts[-1][:150]
+    with LLM(path, max_model_len=192, kvcache_block_size=16, max_num_seqs=2, max_num_batched_tokens=64,
+             num_kvcache_blocks=200) as llm:
+        assert llm.generate([long], GREEDY, use_tqdm=False)[0]["token_ids"] == reference(path, long, 16)
+        assert llm.generate([long], GREEDY, use_tqdm=False)[0]["num_cached_tokens"] == 144
+        manager = llm.block_manager
+        assert manager.window.num_blocks == 10  # 2 rows x 2 + ceil((2 x 15 + 64) / 16)
+        others = [[(7 * i + j) % 500 + 1 for j in range(150)] for i in range(3)]
+        llm.generate(others, GREEDY, use_tqdm=False)  # (the window pool cycles over many times)
+        keys, key = [], None
+        for i in range(9):
+            keys.append(key := chain_hash(key, long[16 * i:16 * (i + 1)]))
+        assert all(key in manager.hash_to_block for key in keys)  # the global layer's blocks: all cached
+        assert not any(key in manager.window.hash_to_block for key in keys[-1:])
+        again = llm.generate([long], GREEDY, use_tqdm=False)[0]
+        assert again["num_cached_tokens"] == 0 and again["token_ids"] == reference(path, long, 16)
 
 
 def test_gemma3_tp2_matches_hf(gemma_dir, prompts, reference):

@@ -44,9 +44,9 @@ class LLMEngine(Frontend):
         if config.pipeline_parallel_size > 1:  # a runner that runs its stage's layers
             from nanovllm.distributed.pipeline import PipelineRunner  # (a layer: loaded when asked for)
             runner_class = PipelineRunner
-        if "linear_attention" in getattr(config.hf_config, "layer_types", ()):  # layers with a recurrent state
-            from nanovllm.features.state_cache import state_cache_classes  # (a layer: loaded when a model asks)
-            runner_class, scheduler_class, block_manager_class = state_cache_classes(config)
+        if set(getattr(config.hf_config, "layer_types", None) or ()) - {"full_attention"}:  # layers of other kinds
+            from nanovllm.features.layer_groups import group_classes  # (a layer: loaded when a model asks)
+            runner_class, scheduler_class, block_manager_class = group_classes(config, runner_class, scheduler_class)
         workers = None
         if config.world_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
             from nanovllm.engine.workers import start_workers  # (tensor parallelism's: loaded when asked for)

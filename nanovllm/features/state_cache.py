@@ -201,6 +201,6 @@ class StateRunner(ModelRunner):
             self.conv_states[:, row] = self.conv_states[:, snapshot]
             self.ssm_states[:, row] = self.ssm_states[:, snapshot]
         rows = inputs.rows if inputs.context.decode_only else to_device(batch.rows.astype(np.int64), self.device)
-        inputs.context.states = StateStep(rows, batch.rows.tolist(),
-                                          {i: (position, slot) for i, position, slot in batch.state_saves})
+        inputs.context.layer_group = StateStep(rows, batch.rows.tolist(),
+                                               {i: (position, slot) for i, position, slot in batch.state_saves})
         return inputs

@@ -8,9 +8,10 @@ softmax, the column dropped). A query whose keys all score far below s_h returns
 
 SinkAttention is the layer: an Attention over a window (None: a full-attention layer) whose
 `sinks` [this rank's heads] are handed to the backend's forward. The torch backend computes the
-formula above (sliding_window.attend_with_sinks, beside the window's attention); the Triton kernels add exp(s_h) to their softmax's running sum
-at the end (triton_attn._sink_share; split-KV decode in its reduction), which needs no change to
-the loop. flash-attn's kernels have no sink term: a model with sinks is refused there at start-up.
+formula above (sliding_window.attend_with_sinks, beside the window's attention); the Triton
+kernels add exp(s_h) to their softmax's running sum at the end (triton_attn._sink_share;
+split-KV decode in its reduction), which needs no change to the loop. flash-attn's kernels have no
+sink term: a model with sinks is refused there at start-up.
 """
 import inspect
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends.torch_ref import TorchBackend
-from nanovllm.layers.sliding_window import WindowBound, WindowedTorchBackend, check_window
+from nanovllm.layers.sliding_window import WindowBound, WindowedTorchBackend, check_window, window_context
 from nanovllm.utils.context import get_context
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_rank, tp_size
@@ -49,7 +50,8 @@ class SinkAttention(Attention):
         else:
             name = getattr(backend, "__name__", type(backend).__name__)
             raise ValueError(f"attention sinks (gpt-oss) run on attention_backend='torch' or 'triton', not on "
-                             f"{name!r}: its kernels have no sink term; pass attention_backend='triton' (CUDA) or 'torch'")
+                             f"{name!r}: its kernels have no sink term; pass attention_backend='triton' (CUDA) "
+                             f"or 'torch'")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         """The checkpoint's sinks [all heads]: this rank's heads (k_scale / v_scale: Attention's loader)."""
@@ -60,7 +62,7 @@ class SinkAttention(Attention):
         param.data.copy_(loaded[self.tp_rank * heads:(self.tp_rank + 1) * heads])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context = get_context()
+        context = get_context() if self.window is None else window_context(get_context())
         if self.k_cache is not None and context.slot_mapping is not None:  # (the warm-up step stores nothing)
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.k_scale,

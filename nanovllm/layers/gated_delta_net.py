@@ -11,7 +11,7 @@ fixed-size state per sequence, whatever its length:
 The engine keeps these states in a pool of slots (features/state_cache.py): one slot per row of the
 running batch, which is where a sequence's state lives while it runs, and snapshot slots that hold
 the state at the end of a prompt for the prefix cache. A step tells each layer, through the forward
-context (`Context.states`, a StateStep), the slot of each sequence and where to take snapshots; the
+context (`Context.layer_group`, a StateStep), the slot of each sequence and where to take snapshots; the
 runner has already zeroed the slots of sequences that start from position 0 and copied snapshots
 into those that resume from one.
 
@@ -206,7 +206,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(hidden).sigmoid().float()                             # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]                                           # [conv_dim, K]
-        states = context.states if self.conv_state is not None else None
+        states = context.layer_group if self.conv_state is not None else None
         if states is not None and context.decode_only:
             out = self._decode(mixed, g, beta, weight, states.rows[:num_tokens])
         else:

@@ -6,9 +6,10 @@ A SlidingWindowAttention layer is an Attention whose backend, when the model run
 is swapped for a windowed one: it stores K/V as the backend does and attends over the window
 alone, reading only the blocks that hold it. Prefix caching, chunked prefill and preemption need
 nothing more: a query's window is found from its position in the context (seq_lens_k and the
-block table), whoever computed the blocks before. The KV cache keeps every block of a sequence
-(its full-attention layers need them); a layer group that hands the blocks out of the window back
-to the pool is the next step (issue 48, item 1).
+block table), whoever computed the blocks before. Where the model's layers are grouped
+(features/window_blocks.py), these layers have blocks of their own, those of the window alone, and
+attend through their group's Context (WindowStep); else they share every block of the sequence
+with the full-attention layers.
 
 The torch backend's window is WindowedTorchBackend below; the Triton backend's kernels take it as
 an argument (`window=`: each row masks keys before its window, and the loops start at the first
@@ -16,12 +17,25 @@ query's window, so a step reads the window's key tiles, not the whole context); 
 window_size is not wired in, and a model with such layers on that backend is refused at start-up.
 """
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends.torch_ref import FP8_KV_DTYPE, TorchBackend, dequantize_kv, quantize_kv
-from nanovllm.utils.context import Context
+from nanovllm.utils.context import Context, forward_context, get_context
+
+
+@dataclass
+class WindowStep:
+    """The step's Context for the sliding-window layers when they have blocks of their own
+    (features/window_blocks.py): their block tables and slots; on the step's Context.layer_group."""
+    context: Context
+
+
+def window_context(context: Context) -> Context:
+    """What a sliding-window layer attends by: its group's context if it has one, else the step's."""
+    return context.layer_group.context if isinstance(context.layer_group, WindowStep) else context
 
 
 def gather_span(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -143,3 +157,7 @@ class SlidingWindowAttention(Attention):
     @backend.setter
     def backend(self, backend):
         self._windowed = None if backend is None else windowed(backend, self.window)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with forward_context(window_context(get_context())):
+            return super().forward(q, k, v)

@@ -38,7 +38,7 @@ class Context:
     max_model_len: int = 0
     cu_seqlens_q_cpu: list[int] | None = None
     seq_lens_k_cpu: list[int] | None = None
-    states: object = None  # linear-attention layers' slots (layers/gated_delta_net.py's StateStep); else None
+    layer_group: object = None  # other layer kinds' step data: gated_delta_net's StateStep, sliding_window's WindowStep
 
 
 _CONTEXT: Context | None = None
