@@ -68,3 +68,15 @@ def reference():
             _REFERENCE[key] = hf_greedy(path, list(prompt), n)
         return _REFERENCE[key]
     return get
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    """flash-attn's interface, computed by PyTorch (tests/fake_flash_attn): (the module, our backend)."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "fake_flash_attn"))
+    import flash_attn
+    from nanovllm.layers.backends.flash_attn import FlashAttnBackend
+    flash_attn.CALLS.clear()
+    yield flash_attn, FlashAttnBackend
+    for name in ("flash_attn", "nanovllm.layers.backends.flash_attn"):
+        sys.modules.pop(name, None)

@@ -79,3 +79,19 @@ def assert_matches_hf_with_caching_chunking_and_preemption(llm, path: str, promp
     assert_greedy_matches_hf(llm, path, [shared + [1]], reference, greedy)
     later = assert_greedy_matches_hf(llm, path, [shared + [2], shared + [3]], reference, greedy)
     assert all(o["num_cached_tokens"] > 0 for o in later)
+
+
+def assert_prefix_cache_and_preemption(path: str, prompts: list, reference, **options):
+    """A repeated 150-token prompt resumes from its cached blocks (144 tokens) and gives the same
+    answer, HF's; under a KV budget of 14 blocks of 16, prompts of 32 tokens make the engine preempt
+    and recompute, and still equal HF, no block leaked."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    long = prompts[-1][:150]
+    with LLM(path, max_model_len=192, kvcache_block_size=16, num_kvcache_blocks=14, max_num_seqs=8, **options) as llm:
+        first = llm.generate([long], greedy, use_tqdm=False)[0]
+        again = llm.generate([long], greedy, use_tqdm=False)[0]
+        assert again["num_cached_tokens"] == 144 and again["token_ids"] == first["token_ids"]
+        assert first["token_ids"] == reference(path, long, 16)
+        # five prompts of two blocks each, all admitted; each needs a third block as it decodes
+        assert_greedy_matches_hf(llm, path, [p[:32] for p in prompts if len(p) >= 32], reference, greedy)
+        assert llm.stats()["num_preemptions"] > 0

@@ -17,17 +17,6 @@ FAKE = os.path.join(os.path.dirname(__file__), "fake_flash_attn")
 BLOCK = 256
 
 
-@pytest.fixture
-def fake_flash_attn(monkeypatch):
-    monkeypatch.syspath_prepend(FAKE)
-    import flash_attn
-    from nanovllm.layers.backends.flash_attn import FlashAttnBackend
-    flash_attn.CALLS.clear()
-    yield flash_attn, FlashAttnBackend
-    for name in ("flash_attn", "nanovllm.layers.backends.flash_attn"):
-        sys.modules.pop(name, None)
-
-
 def paged_step(q_lens, k_lens, heads=4, kv_heads=2, dim=32, num_blocks=12, seed=0):
     """Random q for each sequence's new tokens, and a paged cache already holding each sequence's
     whole context (the new tokens included), through shuffled block tables."""

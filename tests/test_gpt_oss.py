@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():  # (the triton backend's refusal below builds it on CPU: interpreted)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_reference import assert_greedy_matches_hf, assert_logprobs_equal_hf
+from hf_reference import assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_prefix_cache_and_preemption
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.sliding_window import attend_with_sinks
 from nanovllm.layers.quantization import mxfp4
@@ -47,17 +47,7 @@ def test_gpt_oss_logprobs_equal_hf(oss_dir, prompts):
 
 
 def test_gpt_oss_prefix_cache_and_preemption(oss_dir, prompts, reference):
-    """A repeated prompt resumes from its cached blocks and gives the same answer; under 14 blocks
-    of 16 the engine preempts, recomputes and still equals HF, no block leaked."""
-    path = oss_dir("gpt_oss")
-    long = prompts[-1][:150]
-    with LLM(path, max_model_len=192, kvcache_block_size=16, num_kvcache_blocks=14, max_num_seqs=8) as llm:
-        first = llm.generate([long], GREEDY, use_tqdm=False)[0]
-        again = llm.generate([long], GREEDY, use_tqdm=False)[0]
-        assert again["num_cached_tokens"] == 144 and again["token_ids"] == first["token_ids"]
-        assert first["token_ids"] == reference(path, long, 16)
-        assert_greedy_matches_hf(llm, path, [p[:32] for p in prompts if len(p) >= 32], reference, GREEDY)
-        assert llm.stats()["num_preemptions"] > 0
+    assert_prefix_cache_and_preemption(oss_dir("gpt_oss"), prompts, reference)
 
 
 def test_gpt_oss_tp2_matches_hf(oss_dir, prompts, reference):
@@ -233,13 +223,7 @@ def test_triton_decode_with_sinks_equals_the_reference(num_splits, window):
         torch.testing.assert_close(got[b:b + 1], expected, rtol=1e-4, atol=1e-5)
 
 
-def test_sinks_are_refused_on_flash_attn(oss_dir, monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "fake_flash_attn"))
-    try:
-        with pytest.raises(ValueError, match=r"attention sinks \(gpt-oss\) run on attention_backend='torch' or "
-                                             r"'triton', not on 'FlashAttnBackend'"):
-            LLM(oss_dir("gpt_oss"), attention_backend="flash_attn", kvcache_block_size=256)
-    finally:
-        import sys
-        for name in ("flash_attn", "nanovllm.layers.backends.flash_attn"):
-            sys.modules.pop(name, None)
+def test_sinks_are_refused_on_flash_attn(oss_dir, fake_flash_attn):
+    with pytest.raises(ValueError, match=r"attention sinks \(gpt-oss\) run on attention_backend='torch' or "
+                                         r"'triton', not on 'FlashAttnBackend'"):
+        LLM(oss_dir("gpt_oss"), attention_backend="flash_attn", kvcache_block_size=256)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
-                          save_with_random_norms)
+                          assert_prefix_cache_and_preemption, save_with_random_norms)
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.tiny_model import FAMILY_SETTINGS, build_tokenizer, edit_model
 
@@ -38,17 +38,8 @@ def test_qwen3_5_moe_logprobs_equal_hf(moe_dir, prompts):
 
 
 def test_qwen3_5_moe_prefix_cache_and_preemption(moe_dir, prompts, reference):
-    path = moe_dir("qwen3_5_moe")
-    long = prompts[-1][:150]
-    with LLM(path, max_model_len=192, kvcache_block_size=16, num_kvcache_blocks=14, max_num_seqs=8,
-             max_num_batched_tokens=64) as llm:
-        first = llm.generate([long], GREEDY, use_tqdm=False)[0]
-        again = llm.generate([long], GREEDY, use_tqdm=False)[0]
-        assert again["num_cached_tokens"] == 144 and again["token_ids"] == first["token_ids"]
-        assert first["token_ids"] == reference(path, long, 16)
-        assert_greedy_matches_hf(llm, path, [p[:40] for p in prompts if len(p) >= 40], reference,
-                                 SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        assert llm.stats()["num_preemptions"] > 0
+    """(Resumed from the prompt's state snapshot, in a prefill chunk of 64.)"""
+    assert_prefix_cache_and_preemption(moe_dir("qwen3_5_moe"), prompts, reference, max_num_batched_tokens=64)
 
 
 def test_qwen3_5_moe_tp2_matches_hf(moe_dir, prompts, reference):
