@@ -156,3 +156,29 @@ def test_swap_preemption_offloads_the_victims_cached_blocks_in_that_step(mode):
         assert set(victim_blocks) <= offloaded and on_host == [True, True]
     else:
         assert victim_blocks[1] in offloaded and victim_blocks[0] not in offloaded and on_host == [False, True]
+
+
+LAYER_KINDS = {  # the families of several kinds of layers (issue 48), at the test sizes of their own files
+    "gemma3": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   sliding_window=16, query_pre_attn_scalar=24, tie_word_embeddings=True),
+    "gpt_oss": {},
+    "qwen3_5": {},
+}
+
+
+@pytest.mark.parametrize("arch", LAYER_KINDS)
+def test_swap_preemption_and_reloads_for_each_kind_of_layer(arch, tmp_path, prompts, reference):
+    """Sliding-window (sharing the one pool of blocks while the host tier is on), sink and linear-
+    attention layers: swap preemption and prefix reloads from the host tier give Hugging Face's
+    greedy tokens, and nothing leaks."""
+    from nanovllm.utils.tiny_model import build_model
+    path = build_model(str(tmp_path / arch), arch=arch, **LAYER_KINDS[arch])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(path, num_kvcache_blocks=24, max_num_seqs=8, max_model_len=330, kv_offloading_size=HOST_GIB,
+             preemption_mode="swap", kvcache_block_size=BLOCK) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate(prompts[-3:], params, use_tqdm=False)
+        stats = llm.stats()
+    assert [o["token_ids"] for o in outputs + again] == [reference(path, p, 24) for p in prompts + prompts[-3:]]
+    assert stats["num_preemptions"] > 0 and stats["host_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
