@@ -81,9 +81,9 @@ PLAN = [
     Step("batch1", "more", 22, False, "batch-1 greedy decode: plain, n-gram (k=4), draft model = target (k=4)"),
     Step("quant_gemm", "more", 8, False, "quantized GEMM micro-benchmark: planned tiles vs fixed"),
     Step("fp8_kv_decode", "more", 6, False, "decode kernel micro-benchmark, fp8 KV cache"),
-    Step("quantized", "more", 30, False, "bench.py short workload: bf16, fp8, fp8 block, AWQ, fp8 KV; probe vs bf16"),
+    Step("quantized", "more", 24, False, "bench.py short workload: bf16, fp8, fp8 block, AWQ, fp8 KV; probe vs bf16"),
     Step("multiturn", "more", 15, False, "bench_multiturn.py qwen3-0.6b, host tier off and on"),
-    Step("families", "more", 30, False, "bench.py qwen3.5-0.8b (Gated DeltaNet state pool), gpt-oss-20b, 16 seqs"),
+    Step("families", "more", 36, False, "bench.py qwen3.5-0.8b, gemma-3-1b, gpt-oss-20b (new layer kinds), 16 seqs"),
     Step("pipeline", "more", 5, False, "bench.py over 2 pipeline stages: each stage's busy share (2 GPUs)"),
 ]
 GROUPS = ["first", "tests", "more"]  # (in this order; "warm" runs beside "first")

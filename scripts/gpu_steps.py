@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The warm-up jobs: a step, or one part of one (STEP:PART), each in its own process, all at once.
 WARM_UP = ["headline", "profile", "decode_kernel", "bench_moe", "batch1:plain", "batch1:ngram", "batch1:draft",
            "quant_gemm", "fp8_kv_decode", "quantized:bf16", "quantized:fp8", "quantized:fp8_block", "quantized:awq",
-           "quantized:fp8_kv", "multiturn", "families:qwen3.5-0.8b"]
+           "quantized:fp8_kv", "multiturn", "families:qwen3.5-0.8b", "families:gemma-3-1b"]
 # (a KV cache of two max_model_len=4096 sequences: 512 blocks of 16 tokens, under 1 GB for Qwen3-0.6B,
 # or flash-attn's 32 blocks of 256)
 WARM_BENCH = ["--min-output-len", "16", "--max-output-len", "16", "--num-kvcache-blocks", "512"]
@@ -57,11 +57,13 @@ SPECULATION = {"plain": [],
                "draft": ["--min-acceptance-rate", "0.9", "--speculative-config",
                          '{"method": "draft_model", "model": "dummy:qwen3-0.6b", "num_speculative_tokens": 4}']}
 # The new families' step, a short workload each: Qwen3.5 0.8B's shape (Gated DeltaNet + full attention,
-# features/state_cache.py; 16 rows and 16 snapshots of ~19 MiB of recurrent state each), and gpt-oss-20b's
-# (sinks and windows in the Triton kernels, its experts ~38 GB of bf16: the torch expert loop).
+# features/state_cache.py; 16 rows and 16 snapshots of ~19 MiB of recurrent state each), Gemma 3 1B's
+# (the local layers' own pool of blocks, features/window_blocks.py) and gpt-oss-20b's (sinks and windows
+# in the Triton kernels, its experts ~38 GB of bf16: the torch expert loop).
 FAMILY_WORKLOAD = ["--num-seqs", "16", "--max-num-seqs", "16", "--max-input-len", "256", "--max-output-len", "64",
                    "--json"]
 FAMILIES = {"qwen3.5-0.8b": ["--dummy", "qwen3.5-0.8b"] + FAMILY_WORKLOAD,
+            "gemma-3-1b": ["--dummy", "gemma-3-1b", "--attention-backend", "triton"] + FAMILY_WORKLOAD,
             "gpt-oss-20b": ["--dummy", "gpt-oss-20b", "--attention-backend", "triton"] + FAMILY_WORKLOAD}
 QUANT = ["--num-seqs", "64", "--max-input-len", "512", "--max-output-len", "128", "--json"]
 # Each quantized run's probe (bench.py: the logprobs of a fixed prompt set; the dummy checkpoints
