@@ -265,3 +265,25 @@ def test_the_multimodal_checkpoints_run_their_text_model(tmp_path, prompts):
         assert type(llm.model_runner.model).__name__ == "Gemma3ForConditionalGeneration"
         outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
     assert_outputs_equal_hf_model(hf, chosen, outputs)
+
+
+def test_a_captured_decode_step_reads_the_window_tables(gemma_dir, prompts):
+    """WindowRunner.graph_group_context (what a CUDA graph captures, features/window_blocks.py):
+    the local layers' Context has their rows' window tables and the slots they give, the scratch
+    row (a graph's padding) the window pool's spare block."""
+    from nanovllm.layers.sliding_window import WindowStep
+    from nanovllm.utils.context import Context
+    with LLM(gemma_dir("gemma3"), max_model_len=400, kvcache_block_size=16, max_num_batched_tokens=64) as llm:
+        [seq] = llm.add_request(prompts[-1][:100], GREEDY)
+        while seq.num_computed_tokens <= seq.num_prompt_tokens:  # (decoding now)
+            llm.step()
+        runner, p = llm.model_runner, seq.num_computed_tokens
+        rows, positions = torch.tensor([seq.row, runner.scratch_row]), torch.tensor([p, 0])
+        context = Context(block_tables=runner.block_tables[rows], decode_only=True)
+        runner.graph_group_context(context, rows, positions)
+        assert isinstance(context.layer_group, WindowStep)
+        window = context.layer_group.context
+        assert torch.equal(window.block_tables, runner.window_tables[rows])
+        block = llm.block_manager.tables[seq.seq_id].blocks[p // 16]
+        assert window.slot_mapping.tolist() == [block * 16 + p % 16, runner.num_window_blocks * 16]
+        llm.abort(seq)

@@ -77,3 +77,24 @@ def test_capture_runs_under_inference_mode_with_the_padded_context(fake_cuda_gra
         out = graphs.replay(torch.tensor([1, 2, 3, 8]), torch.tensor([4, 5, 6, 0]), 4)
     assert FakeGraph.replayed == [graphs.graphs[4]] and out.shape == (4, 8)
     assert graphs.inputs[:2, :4].tolist() == [[1, 2, 3, 8], [4, 5, 6, 0]]
+
+
+def test_a_captured_step_carries_the_other_layer_groups_context(fake_cuda_graphs):
+    """group_context (features/window_blocks.py's window tables) is called with each captured
+    step's Context, its rows and positions, before the model runs, so the graph gathers it too."""
+    seen = []
+
+    def group_context(context, rows, positions):
+        context.layer_group = ("window", rows.clone(), positions.clone())
+
+    class Recording(RecordingModel):
+        def forward(self, input_ids, positions):
+            seen.append(get_context().layer_group)
+            return super().forward(input_ids, positions)
+
+    graphs = DecodeGraphs(Recording(8), torch.zeros(9, 64, dtype=torch.int32), torch.zeros(9, 4, dtype=torch.int32),
+                          block_size=16, scratch_row=8, max_batch=2, max_model_len=64, hidden_size=8,
+                          dtype=torch.float32, group_context=group_context)
+    assert len(seen) == 4 and all(kind == "window" for kind, _, _ in seen)
+    assert [rows.tolist() for _, rows, _ in seen] == [[8, 8], [8, 8], [8], [8]]  # (the scratch row: padding)
+    assert graphs.group_context is group_context

@@ -28,14 +28,17 @@ class DecodeGraphs:
 
     def __init__(self, model, token_table: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                  scratch_row: int, max_batch: int, max_model_len: int, hidden_size: int, dtype: torch.dtype,
-                 sizes: list[int] | None = None, show_progress: bool = False, query_len: int = 1):
+                 sizes: list[int] | None = None, show_progress: bool = False, query_len: int = 1,
+                 group_context=None):
         """sizes: the batch sizes to capture (default graph_batch_sizes(max_batch); [max_batch] alone
-        measures what capture costs). show_progress: a bar over the sizes when capture takes a while."""
+        measures what capture costs). show_progress: a bar over the sizes when capture takes a while.
+        group_context(context, rows, positions): adds other layer groups' part to the step's Context
+        (Context.layer_group; features/window_blocks.py's window tables), captured with the rest."""
         start = perf_counter()
         device = token_table.device
         self.model, self.token_table, self.block_tables = model, token_table, block_tables
         self.block_size, self.max_model_len, self.scratch_row = block_size, max_model_len, scratch_row
-        self.query_len = query_len
+        self.query_len, self.group_context = query_len, group_context
         self.sizes = sorted(sizes) if sizes is not None else graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         # rows, positions of the last new tokens, numbers of new tokens (query_len > 1)
@@ -84,6 +87,8 @@ class DecodeGraphs:
                               seq_lens_k=lens, max_seqlen_q=q, max_seqlen_k=self.max_model_len, slot_mapping=slots,
                               block_tables=self.block_tables[rows], max_model_len=self.max_model_len,
                               cu_seqlens_q_cpu=list(range(0, (size + 1) * q, q)))  # (no one-token rows)
+        if self.group_context is not None:
+            self.group_context(context, rows if self.query_len == 1 else token_rows, positions)
         with forward_context(context):
             self.output[:size * self.query_len] = self.model(input_ids, positions)
 

@@ -134,6 +134,7 @@ class ModelRunner:
       block_tables [rows + 1, max_blocks_per_seq] int32  each one's block table, grown by
                    StepBatch.new_blocks; the scratch row points at the spare KV block.
     """
+    graph_group_context = None  # other layer groups' part of a captured step's Context (window_blocks.py)
 
     def __init__(self, config: Config, group: "TPGroup | None" = None, workers=None):
         self.config = config
@@ -203,8 +204,8 @@ class ModelRunner:
         max_batch = self.graph_sizes[-1]
         return DecodeGraphs(self.model, self.token_table, self.block_tables, self.block_size, self.scratch_row,
                             max_batch, self.config.max_model_len, self.config.hf_config.hidden_size,
-                            self.config.dtype, sizes=[max_batch] if largest_only else None,
-                            show_progress=self.rank == 0 and not largest_only, query_len=query_len)
+                            self.config.dtype, sizes=[max_batch] if largest_only else None, query_len=query_len,
+                            show_progress=self.rank == 0 and not largest_only, group_context=self.graph_group_context)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -234,10 +235,9 @@ class ModelRunner:
         config = self.config
         num_blocks = self._smallest_over_ranks(self._num_kv_blocks())  # every rank holds the same blocks
         if num_blocks < config.max_blocks_per_seq:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
-                f"{config.max_blocks_per_seq} that one sequence of max_model_len={config.max_model_len} "
-                f"tokens needs; raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
+            raise ValueError(f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than the "
+                             f"{config.max_blocks_per_seq} one sequence of max_model_len={config.max_model_len} needs; "
+                             f"raise num_kvcache_blocks or gpu_memory_utilization, or lower max_model_len")
         self.bind_kv_cache(num_blocks)
         return num_blocks
 

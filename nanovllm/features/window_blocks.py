@@ -36,10 +36,12 @@ prefix, and the admitted sequence holds those blocks again. A freed window block
 until the pool hands it out again (least recently freed first), so a repeated prompt finds its
 last window's blocks until newer work has reused them.
 
+CUDA graphs: a captured decode step gathers the window tables of its rows too (WindowRunner.
+graph_group_context, DecodeGraphs' group_context hook), so a replay reads the tables as they are.
+
 Not wired in (layer_groups.py then runs the model as before, each sliding-window layer keeping
-every block in the full pool: correct, larger): speculative decoding and the host tier; CUDA
-graphs are off for these models (their decode steps run eagerly: the window tables are not in the
-graphs' static inputs yet).
+every block in the full pool: correct, larger): speculative decoding, pipeline stages and the
+host tier.
 """
 import functools
 from dataclasses import dataclass, field, fields, replace
@@ -212,12 +214,11 @@ class WindowScheduler(Scheduler):
 
 
 class WindowRunner(ModelRunner):
-    """The model runner, the sliding-window layers bound to the window pool's cache and tables;
-    decode steps run eagerly (no CUDA graphs yet)."""
+    """The model runner, the sliding-window layers bound to the window pool's cache and tables
+    (window_tables [rows + 1, max_blocks_per_seq], written by StepBatch.window_blocks)."""
 
     def _load(self, config):
         super()._load(config)
-        self.use_graphs = False
         windowed = [layer for layer in self.attention_layers if getattr(layer, "window", None)]
         self.attention_layers = [layer for layer in self.attention_layers if not getattr(layer, "window", None)]
         self.num_window_blocks = num_window_blocks(config)
@@ -237,14 +238,24 @@ class WindowRunner(ModelRunner):
             d = self.upload({"rows": rows, "cols": cols, "ids": ids})
             self.window_tables[d["rows"], d["cols"]] = d["ids"].int()
         inputs = super().prepare(batch, graphs)
-        if inputs is None:
-            return None
-        context, rows, positions = inputs.context, inputs.rows, inputs.positions
+        if inputs is None or inputs.graph_size:  # (a replay: its graph gathers them, graph_group_context)
+            return inputs
+        context = inputs.context
+        step_rows = None
+        if context.block_tables is not None:
+            step_rows = inputs.rows if context.decode_only else self.upload({"r": batch.rows.astype(np.int64)})["r"]
+        self.add_window_context(context, inputs.rows, inputs.positions, step_rows)
+        return inputs
+
+    def add_window_context(self, context, rows: torch.Tensor, positions: torch.Tensor,
+                           step_rows: torch.Tensor | None):
+        """context.layer_group: a WindowStep with the window tables' slots of the tokens (rows,
+        positions [T]) and, where context has block tables, those of step_rows, as wide."""
         block_index = positions // self.block_size
         slots = positions + (self.window_tables[rows, block_index] - block_index) * self.block_size
-        tables = None
-        if context.block_tables is not None:
-            step_rows = rows if context.decode_only else self.upload({"r": batch.rows.astype(np.int64)})["r"]
-            tables = self.window_tables[step_rows, :context.block_tables.shape[1]]
+        tables = None if step_rows is None else self.window_tables[step_rows, :context.block_tables.shape[1]]
         context.layer_group = WindowStep(replace(context, slot_mapping=slots, block_tables=tables))
-        return inputs
+
+    def graph_group_context(self, context, rows: torch.Tensor, positions: torch.Tensor):
+        """(DecodeGraphs' hook) A captured decode step's WindowStep: its rows' window tables."""
+        self.add_window_context(context, rows, positions, rows)
