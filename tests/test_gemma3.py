@@ -186,11 +186,27 @@ def test_gemma3_on_the_triton_backend_matches_hf(gemma_dir, prompts, reference):
         assert_greedy_matches_hf(llm, path, prompts[3:6], reference, GREEDY)
 
 
-def test_sliding_window_layers_are_refused_on_flash_attn(gemma_dir, fake_flash_attn):
-    """flash-attn's window_size is not wired in: a clear error at start-up, naming what works."""
+def test_gemma3_on_flash_attn_matches_hf(gemma_dir, fake_flash_attn, prompts, reference):
+    """flash-attn's window_size (W - 1, 0), through tests/fake_flash_attn (flash-attn's documented
+    semantics in PyTorch): fresh prefill, chunks over cached pages of 256 and decode rows."""
+    module, _ = fake_flash_attn
+    path = gemma_dir("gemma3")
+    with LLM(path, attention_backend="flash_attn", kvcache_block_size=256, max_model_len=400,
+             max_num_batched_tokens=128) as llm:
+        assert_greedy_matches_hf(llm, path, prompts, reference, GREEDY)
+    assert {"flash_attn_varlen_func", "flash_attn_with_kvcache"} <= set(module.CALLS)
+
+
+def test_a_backend_without_a_window_is_refused():
+    from nanovllm.layers.sliding_window import windowed
+
+    class NoWindow:
+        @staticmethod
+        def forward(q, k, v, k_cache, v_cache, context, scale, k_scale=None, v_scale=None):
+            return q
     with pytest.raises(ValueError, match=r"sliding-window attention \(window 16\) runs on attention_backend="
-                                         r"'torch' or 'triton', not on 'FlashAttnBackend'"):
-        LLM(gemma_dir("gemma3"), attention_backend="flash_attn", kvcache_block_size=256)
+                                         r"'torch', 'triton' or 'flash_attn', not on 'NoWindow'"):
+        windowed(NoWindow, 16)
 
 
 def test_a_plain_prompt_batch_of_random_lengths(gemma_dir, reference):

@@ -13,8 +13,8 @@ with the full-attention layers.
 
 The torch backend's window is WindowedTorchBackend below; the Triton backend's kernels take it as
 an argument (`window=`: each row masks keys before its window, and the loops start at the first
-query's window, so a step reads the window's key tiles, not the whole context); flash-attn's
-window_size is not wired in, and a model with such layers on that backend is refused at start-up.
+query's window, so a step reads the window's key tiles, not the whole context), and so does the
+flash-attn backend (its kernels' window_size).
 """
 import inspect
 from dataclasses import dataclass
@@ -126,14 +126,14 @@ class WindowBound:
 
 
 def windowed(backend, window: int):
-    """backend's windowed form: the torch reference's, a window-taking backend's with the window
-    bound, else a ValueError naming the backend (flash-attn's window_size is not wired in)."""
+    """backend's windowed form: the torch reference's, a window-taking backend's (Triton's,
+    flash-attn's) with the window bound, else a ValueError naming the backend."""
     if backend is TorchBackend:
         return WindowedTorchBackend(window)
     if "window" in inspect.signature(backend.forward).parameters:
         return WindowBound(backend, window)
-    raise ValueError(f"sliding-window attention (window {window}) runs on attention_backend='torch' or 'triton', "
-                     f"not on {backend.__name__!r}: pass attention_backend='triton' (CUDA) or 'torch'")
+    raise ValueError(f"sliding-window attention (window {window}) runs on attention_backend='torch', 'triton' or "
+                     f"'flash_attn', not on {getattr(backend, '__name__', backend)!r}")
 
 
 def check_window(window: int) -> int:

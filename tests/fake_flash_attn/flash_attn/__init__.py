@@ -3,7 +3,8 @@
 
 It checks what the real kernels require (argument names, shapes, int32 metadata, pages of 256
 tokens) and computes what they compute: softmax(q k^T * softmax_scale) v with the causal mask
-aligned to the bottom-right corner when seqlen_q != seqlen_k, and GQA when nheads_k < nheads.
+aligned to the bottom-right corner when seqlen_q != seqlen_k, GQA when nheads_k < nheads, and
+window_size (left, right): query i sees keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right.
 """
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ PAGE_MULTIPLE = 256  # flash-attn: "page_block_size must be a multiple of 256"
 CALLS = []           # names of the functions called, for tests to inspect
 
 
-def _attend(q, k, v, scale, causal):
+def _attend(q, k, v, scale, causal, window_size=(-1, -1)):
     """q [n, H, D], k/v [L, Hkv, D] -> [n, H, D]."""
     n, length = q.shape[0], k.shape[0]
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -23,6 +24,11 @@ def _attend(q, k, v, scale, causal):
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     if causal:  # bottom-right aligned: query i sees keys j <= i + length - n
         allowed = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    if window_size != (-1, -1):  # (flash-attn: -1 on a side is no bound there)
+        left, right = window_size
+        key, query = torch.arange(length)[None, :], torch.arange(n)[:, None] + (length - n)
+        allowed = ((key >= query - left) | (left < 0)) & ((key <= query + right) | (right < 0))
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v.float()).to(q.dtype)
 
@@ -41,7 +47,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     CALLS.append("flash_attn_varlen_func")
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens must have dtype int32"
     assert q.dim() == 3 and k.dim() == (4 if block_table is not None else 3)
-    assert dropout_p == 0.0 and window_size == (-1, -1) and not return_attn_probs
+    assert dropout_p == 0.0 and not return_attn_probs
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     out = torch.empty_like(q)
@@ -52,7 +58,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             seq_k, seq_v = k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
         else:
             seq_k, seq_v = _paged(k, block_table[i], length), _paged(v, block_table[i], length)
-        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], seq_k, seq_v, scale, causal)
+        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], seq_k, seq_v, scale, causal, window_size)
     return out
 
 
@@ -70,5 +76,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = torch.empty_like(q)
     for i, length in enumerate(cache_seqlens.tolist()):
         seq_k, seq_v = _paged(k_cache, block_table[i], length), _paged(v_cache, block_table[i], length)
-        out[i] = _attend(q[i], seq_k, seq_v, scale, causal)
+        out[i] = _attend(q[i], seq_k, seq_v, scale, causal, window_size)
     return out
