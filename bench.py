@@ -50,7 +50,7 @@ PRESETS = {
                            num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096,
                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32"),
     # Gemma 3 1B exactly (google/gemma-3-1b-it's config.json), bf16: 5 local layers (window 512) to 1 global.
-    # (its sliding-window layers run on the triton and torch backends, not flash_attn: layers/sliding_window.py)
+    # (its sliding-window layers hold their window alone: features/window_blocks.py)
     "gemma-3-1b": dict(architecture="Gemma3ForCausalLM", config_class="Gemma3TextConfig", vocab_size=262144,
                        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
                        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
