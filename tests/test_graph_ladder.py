@@ -1,13 +1,17 @@
 """CUDA-graph bookkeeping that needs no GPU: the batch-size ladder, when a step may replay, and
-capture itself with torch.cuda's graph API faked on the CPU."""
+capture itself with torch.cuda's graph API faked on the CPU (replays of the layer groups' steps too)."""
 import contextlib
+import os
 
 import pytest
 import torch
 
-from nanovllm.engine.cuda_graphs import DecodeGraphs
-from nanovllm.engine.step_inputs import graph_batch_sizes, padded_batch_size
-from nanovllm.utils.context import get_context
+if not torch.cuda.is_available():  # (the layer groups' replays below run the triton backend: interpreted)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanovllm.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from nanovllm.engine.step_inputs import graph_batch_sizes, padded_batch_size  # noqa: E402
+from nanovllm.utils.context import get_context  # noqa: E402
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 8, 16, 37, 100, 512])
@@ -98,3 +102,43 @@ def test_a_captured_step_carries_the_other_layer_groups_context(fake_cuda_graphs
     assert len(seen) == 4 and all(kind == "window" for kind, _, _ in seen)
     assert [rows.tolist() for _, rows, _ in seen] == [[8, 8], [8, 8], [8], [8]]  # (the scratch row: padding)
     assert graphs.group_context is group_context
+
+
+@pytest.fixture
+def rerun_graphs(fake_cuda_graphs, monkeypatch):
+    """CUDA graphs emulated on the CPU: capture runs the step once; a replay copies its inputs into
+    the static buffers and runs the captured step's code again (what a graph replays, less what
+    capture would bake in); the runner captures whatever its device."""
+    from nanovllm.engine.model_runner import ModelRunner
+
+    def replay(self, rows, positions, size, num_new=None):
+        self.inputs[0, :size].copy_(rows)
+        self.inputs[1, :size].copy_(positions)
+        self.forward(size)
+        return self.output[:size * self.query_len]
+    monkeypatch.setattr(DecodeGraphs, "replay", replay)
+    monkeypatch.setattr(ModelRunner, "_capture", lambda self, config: setattr(self, "graphs", self._capture_graphs()))
+
+
+# the families with layers of other kinds (issue 48), at the sizes of their own tests
+GROUPED = {"gemma3": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                          sliding_window=16, query_pre_attn_scalar=24, tie_word_embeddings=True),
+           "gpt_oss": {}, "qwen3_5": {}}
+
+
+@pytest.mark.parametrize("arch", GROUPED)
+def test_decode_graphs_of_the_layer_groups_equal_hf(arch, rerun_graphs, tmp_path, prompts, reference):
+    """Replayed decode steps read the other groups' data from their static inputs (the window
+    tables, the state slots: graph_group_context), and still give Hugging Face's tokens."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.utils.tiny_model import build_model
+    path = build_model(str(tmp_path / arch), arch=arch, **GROUPED[arch])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, attention_backend="triton", device="cpu", max_model_len=400, max_num_seqs=4,
+             kvcache_block_size=16, max_num_batched_tokens=64) as llm:
+        assert llm.model_runner.graphs is not None
+        FakeGraph.replayed = []
+        outputs = llm.generate(prompts[3:6], params, use_tqdm=False)
+        assert len(FakeGraph.replayed) == 0  # (the emulation reruns forward: no fake replay logged)
+    assert [o["token_ids"] for o in outputs] == [reference(path, p, 8) for p in prompts[3:6]]

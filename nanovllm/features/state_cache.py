@@ -24,9 +24,11 @@ each costs one slot's memory (a state of a few MiB for real models, the same for
 and one copy in the step that computes that position. A preempted sequence comes back from its
 prompt's snapshot and recomputes what it had generated.
 
+CUDA graphs: a captured decode step's slots are its rows (StateRunner.graph_group_context); the
+fresh rows are zeroed and the snapshots copied before a replay, outside the graph.
+
 Not wired in: speculative decoding (a rejected draft would have to roll a state back, which needs a
-state per draft position) and pipeline parallelism; CUDA graphs (decode steps run eagerly: the
-step's slots are not in the graphs' static inputs yet).
+state per draft position) and pipeline parallelism.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
@@ -168,11 +170,10 @@ class StateScheduler(Scheduler):
 
 class StateRunner(ModelRunner):
     """The model runner, with the state pool bound to the linear-attention layers and each step's
-    StateStep on the forward context; decode steps run eagerly (no CUDA graphs yet)."""
+    StateStep on the forward context (a captured decode step's too: graph_group_context)."""
 
     def _load(self, config):
         super()._load(config)
-        self.use_graphs = False
         layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         conv_shape, ssm_shape = layers[0].state_shapes()
         num_slots = config.max_num_seqs + 1 + num_snapshot_slots(config)
@@ -200,7 +201,14 @@ class StateRunner(ModelRunner):
         for snapshot, row in batch.state_loads:
             self.conv_states[:, row] = self.conv_states[:, snapshot]
             self.ssm_states[:, row] = self.ssm_states[:, snapshot]
+        if inputs.graph_size:  # (a replay: its graph has its StateStep, graph_group_context)
+            return inputs
         rows = inputs.rows if inputs.context.decode_only else to_device(batch.rows.astype(np.int64), self.device)
         inputs.context.layer_group = StateStep(rows, batch.rows.tolist(),
                                                {i: (position, slot) for i, position, slot in batch.state_saves})
         return inputs
+
+    def graph_group_context(self, context, rows: torch.Tensor, positions: torch.Tensor):
+        """(DecodeGraphs' hook) A captured decode step's StateStep: each row its slot (padding rows
+        the scratch slot), no snapshot (a decode step never computes a prompt's end)."""
+        context.layer_group = StateStep(rows, [], {})
