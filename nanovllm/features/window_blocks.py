@@ -149,16 +149,22 @@ class WindowBlockManager(BlockManager):
 
     def slide(self, seq: Sequence, start: int, end: int, writes: list[tuple[int, int, list[int]]]):
         """seq computes positions [start, end) next: free its window blocks before start's window,
-        take blocks up to end, publish those whose keys are known; the table's new entries go to writes."""
+        take blocks up to end, publish those whose keys are known; the table's new entries go to
+        writes. (Most decode steps change nothing: each test below is one comparison then.)"""
         table = self.tables[seq.seq_id]
-        self._free_before(table, self.first_needed(start))
-        for _ in range(len(table.blocks), -(-end // self.block_size)):
-            table.blocks.append(self.window._take_free_block())  # (never short: num_window_blocks)
-        self.window._note_usage()
+        first = max(0, start - self.window_size + 1) // self.block_size
+        if first > table.first:
+            self._free_before(table, first)
+        num_blocks = -(-end // self.block_size)
+        if num_blocks > len(table.blocks):
+            for _ in range(len(table.blocks), num_blocks):
+                table.blocks.append(self.window._take_free_block())  # (never short: num_window_blocks)
+            self.window._note_usage()
         if table.sent < len(table.blocks):
             writes.append((seq.row, table.sent, table.blocks[table.sent:]))
             table.sent = len(table.blocks)
-        self._publish_window(seq, table)
+        if len(seq.block_hashes) > table.published:
+            self._publish_window(seq, table)
 
     def trim(self, seq: Sequence):
         """Free what a running sequence left out of a step holds before its next query's window."""
@@ -203,8 +209,9 @@ class WindowScheduler(Scheduler):
         step = super().schedule()
         if step is None:
             return None
-        for seq, start, n in zip(step.seqs, step.starts, step.num_new):
-            self.block_manager.slide(seq, start, start + n, step.window_blocks)
+        slide, writes, chunks = self.block_manager.slide, step.window_blocks, step.chunks
+        for i, (seq, start) in enumerate(zip(step.seqs, step.starts)):
+            slide(seq, start, start + (chunks[i][0] if i in chunks else 1), writes)
         if len(step.seqs) < len(self.running):  # (rare: some ran out of budget)
             scheduled = set(step.seqs)
             for seq in self.running:
