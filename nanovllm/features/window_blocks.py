@@ -44,6 +44,7 @@ every block in the full pool: correct, larger): speculative decoding, pipeline s
 host tier.
 """
 import functools
+import logging
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
@@ -56,6 +57,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.attention import bind_kv_cache
 from nanovllm.layers.sliding_window import WindowStep
+
+logger = logging.getLogger(__name__)
 
 
 def window_of(config) -> int:
@@ -234,6 +237,12 @@ class WindowRunner(ModelRunner):
         self.window_layers = windowed
         self.window_tables = torch.zeros_like(self.block_tables)
         self.window_tables[self.scratch_row] = self.num_window_blocks  # (the spare block, as the full pool's)
+        if self.rank == 0:
+            logger.info("Sliding-window layers (%d of %d, window %d): a pool of their own, %d blocks x %d tokens, "
+                        "%.2f MiB (max_num_seqs rows' windows and a step's tokens; fewer rows, a smaller pool)",
+                        len(windowed), len(windowed) + len(self.attention_layers), window_of(config),
+                        self.num_window_blocks, self.block_size, self.window_cache.numel() *
+                        self.window_cache.element_size() / 2 ** 20)
 
     def window_block_bytes(self) -> int:
         """Bytes of one window-pool block (its layers' K and V; this rank's share)."""
