@@ -22,6 +22,7 @@ class SamplingParams:
         ignored before this many tokens.  ignore_eos: generate past EOS (benchmarks).
     stop: strings that end the completion (stored as a tuple); the text ends before the stop
         string unless include_stop_str_in_output.  stop_token_ids: token ids that end it (a tuple).
+    skip_special_tokens: leave special tokens out of the text (as vLLM's; gpt-oss's harmony markers are some).
     n: number of completions of the prompt (they share the prompt's KV blocks).
     logprobs: also return, per generated token, the log-probabilities of the chosen token and of
         the `logprobs` most likely ones, from the model's raw distribution (None: off).
@@ -50,6 +51,7 @@ class SamplingParams:
     stop: str | list[str] | tuple[str, ...] | None = None
     stop_token_ids: list[int] | tuple[int, ...] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -102,7 +104,7 @@ class SamplingParams:
         self._integer("seed", 0, allow_none=True)
         if self.seed is not None and self.seed >= 2**63:
             raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
 

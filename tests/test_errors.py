@@ -42,6 +42,7 @@ def llm(model_dir):
     (dict(stop=5), ValueError, "stop"),
     (dict(stop_token_ids=[-3]), ValueError, "stop_token_ids"),
     (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output"),
+    (dict(skip_special_tokens="no"), TypeError, "skip_special_tokens must be a bool"),
 ])
 def test_bad_sampling_params(kwargs, error, match):
     with pytest.raises(error, match=match):

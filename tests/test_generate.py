@@ -182,3 +182,16 @@ def test_seeded_sampling_noise_is_a_function_of_seed_and_position(model_dir, pro
         [out] = chunked.generate([prompt + ids[:k - 1]], SamplingParams(max_tokens=1, **seeded), use_tqdm=False)
         assert out["token_ids"] == [ids[k - 1]], f"token {k}"
     assert len(set(ids)) > 1, "a sampled run that repeats one token would not show the positions"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens_says_whether_the_text_has_them(model_dir, skip):
+    """SamplingParams.skip_special_tokens (vLLM's; gpt-oss's harmony markers are special tokens):
+    the end-of-text token, forced three times, is in the text (generate's and a stream's) or not."""
+    llm = make_llm(model_dir)
+    eos = llm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    params = SamplingParams(max_tokens=3, ignore_eos=True, allowed_token_ids=[eos], skip_special_tokens=skip)
+    [out] = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    streamed = "".join(update["text"] or "" for update in llm.stream([[5, 6, 7]], params))
+    assert out["token_ids"] == [eos] * 3
+    assert out["text"] == streamed == ("" if skip else "<|endoftext|>" * 3)

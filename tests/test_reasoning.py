@@ -13,7 +13,8 @@ pytest.importorskip("fastapi", reason="the serve extra (fastapi) is not installe
 
 from nanovllm.entrypoints.api_server import ChatChoices  # noqa: E402
 from nanovllm.entrypoints.protocol import ChatCompletionRequest  # noqa: E402
-from nanovllm.entrypoints.reasoning_parsers import Qwen3ReasoningParser, ReasoningStream  # noqa: E402
+from nanovllm.entrypoints.reasoning_parsers import (GptOssReasoningParser, Qwen3ReasoningParser,  # noqa: E402
+                                                    ReasoningStream)
 from nanovllm.entrypoints.tool_parsers import HermesToolParser  # noqa: E402
 from nanovllm.utils.tiny_model import CHATML_TEMPLATE, build_model, build_tokenizer  # noqa: E402
 from serving import KEY, error_of, http, module_server, openai_client  # noqa: E402
@@ -43,10 +44,26 @@ def test_split_of_a_block_the_prompt_opened():
     assert not p.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not p.opened_by("assistant\n")
 
 
-@pytest.mark.parametrize("started", [False, True])
-@pytest.mark.parametrize("text", TEXTS + ["because</think>\n\nanswer"])
-def test_streamed_deltas_add_up_to_the_split_however_cut(text, started):
-    rng, parser = random.Random(0), Qwen3ReasoningParser()
+HARMONY = ["<|channel|>analysis<|message|>The user asks 2+2.<|end|><|start|>assistant<|channel|>final<|message|>4.",
+           "<|channel|>final<|message|>4.", "<|channel|>analysis<|message|>still thinking", "<|channel|>fin",
+           "<|channel|>commentary<|message|>a preamble"]
+
+
+def test_harmony_split():
+    """openai_gptoss: the analysis channel is the reasoning, the final channel the content."""
+    p = GptOssReasoningParser()
+    assert p.split(HARMONY[0]) == ("The user asks 2+2.", "4.")
+    assert p.split(HARMONY[1]) == (None, "4.")
+    assert p.split(HARMONY[2]) == ("still thinking", None)
+    assert p.split(HARMONY[4]) == (None, HARMONY[4])  # (the commentary channel is not read: left as written)
+    assert p.keeps_special_tokens and not Qwen3ReasoningParser.keeps_special_tokens
+    assert not p.opened_by("<|start|>user<|message|>x<|end|><|start|>assistant")
+
+
+@pytest.mark.parametrize("parser, text, started", [(Qwen3ReasoningParser(), t, s) for t in TEXTS + [
+    "because</think>\n\nanswer"] for s in (False, True)] + [(GptOssReasoningParser(), t, False) for t in HARMONY])
+def test_streamed_deltas_add_up_to_the_split_however_cut(parser, text, started):
+    rng = random.Random(0)
     expected = tuple(part or "" for part in parser.split(text, started))
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(text)), min(rng.randint(0, 6), len(text) - 1)))
@@ -57,6 +74,15 @@ def test_streamed_deltas_add_up_to_the_split_however_cut(text, started):
             got[0] += reasoning
             got[1] += content
         assert tuple(got) == expected, pieces
+
+
+@pytest.mark.parametrize("parser, body, skip", [(GptOssReasoningParser(), {}, False), (Qwen3ReasoningParser(), {}, True),
+                                               (None, {}, True), (None, {"skip_special_tokens": False}, False)])
+def test_a_parser_whose_tags_are_special_tokens_keeps_them_in_the_text(parser, body, skip):
+    """(harmony's markers are special tokens: decoded without them, the text could not be split.)"""
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})
+    request.use_parsers(None, parser)
+    assert request.sampling_params(None).skip_special_tokens is skip
 
 
 def choices(**body) -> ChatChoices:

@@ -9,12 +9,12 @@ CONTEXT_TOKENS = 5
 INCOMPLETE = "\ufffd"  # what decode() shows for a UTF-8 character cut in the middle
 
 
-def completion_text(tokenizer, prompt_ids: list[int], completion_ids: list[int]) -> str:
+def completion_text(tokenizer, prompt_ids: list[int], completion_ids: list[int], skip_special_tokens: bool) -> str:
     """The completion's text, decoded in the context of the prompt's last tokens, in one go;
     `IncrementalDetokenizer`'s pieces concatenate to the same text."""
     context = prompt_ids[-CONTEXT_TOKENS:]
-    prefix = tokenizer.decode(context, skip_special_tokens=True)
-    return tokenizer.decode(context + completion_ids, skip_special_tokens=True)[len(prefix):]
+    prefix = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(context + completion_ids, skip_special_tokens=skip_special_tokens)[len(prefix):]
 
 
 class IncrementalDetokenizer:
@@ -22,15 +22,12 @@ class IncrementalDetokenizer:
     last emitted boundary, with the token before it as context) keeps each step O(1), and text is
     held back while it ends inside a multi-byte character."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0              # start of the decoded window
         self.read_offset = len(self.ids)    # tokens before this are already emitted
         self.num_completion_ids = 0         # completion tokens given to update() so far
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def update(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
@@ -51,8 +48,9 @@ class OutputProcessor:
     def watch(self, samples: list[Sequence], stream: bool):
         """Detokenize these new samples token by token when their text is wanted as it grows."""
         if self.tokenizer is not None and (stream or samples[0].sampling_params.stop_strings):
+            skip = samples[0].sampling_params.skip_special_tokens  # (a request's samples share their params)
             for seq in samples:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens])
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], skip)
 
     def update_text(self, seq: Sequence):
         """Grow seq.text by its new tokens, one at a time (a speculative step brings several); end the
@@ -92,10 +90,10 @@ class OutputProcessor:
             return None
         if isinstance(seq.stop_reason, str):  # cut at a stop string
             return seq.text
-        ids = seq.completion_token_ids
-        if isinstance(seq.stop_reason, int) and not seq.sampling_params.include_stop_str_in_output:
+        ids, params = seq.completion_token_ids, seq.sampling_params
+        if isinstance(seq.stop_reason, int) and not params.include_stop_str_in_output:
             ids = ids[:-1]  # the stop token's own text is left out, as a stop string's is
-        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids)
+        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, params.skip_special_tokens)
 
     def sample_output(self, seq: Sequence) -> dict:
         out = {"text": self.final_text(seq), "token_ids": seq.completion_token_ids,

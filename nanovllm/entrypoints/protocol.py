@@ -103,6 +103,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # (False with a --reasoning-parser whose tags are special tokens)
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON object keys) -> bias
@@ -169,6 +170,8 @@ class SamplingRequest(BaseModel):
                 max_tokens=max_tokens if max_tokens is not None else max(1, self.min_tokens),
                 ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=num_logprobs,
+                skip_special_tokens=self.skip_special_tokens and not getattr(self._reasoning_parser,
+                                                                             "keeps_special_tokens", False),
                 logit_bias=logit_bias, allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
                 prompt_logprobs=self.prompt_logprobs())
         except (ValueError, TypeError) as e:

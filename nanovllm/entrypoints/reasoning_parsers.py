@@ -1,6 +1,7 @@
 """Reasoning models write their thinking before the answer; `--reasoning-parser NAME` (vLLM's flag)
-returns it apart, as `reasoning_content` (also when streaming). One class per format; `qwen3` (also
-DeepSeek-R1's) is a `<think>...</think>` block at the start of the completion:
+returns it apart, as `reasoning_content` (also when streaming). One class per format (`openai_gptoss`:
+gpt-oss's harmony channels, GptOssReasoningParser); `qwen3` (also DeepSeek-R1's and Qwen3.5's) is a
+`<think>...</think>` block at the start of the completion:
 
     <think>
     The user asks ... </think>
@@ -21,6 +22,11 @@ def cut_tag(text: str, tag: str) -> int:
 
 class Qwen3ReasoningParser:
     start, end = "<think>", "</think>"
+    keeps_special_tokens = False  # (whether its tags are special tokens, which the text must keep)
+
+    def may_begin(self, text: str) -> bool:
+        """Whether text may yet become the opening of a block (or of the content, where that has a tag)."""
+        return self.start.startswith(text)
 
     def opened_by(self, prompt_tail: str) -> bool:
         """Whether a prompt ending with this text leaves the completion inside a reasoning block."""
@@ -56,7 +62,7 @@ class ReasoningStream:
         """The (reasoning, content) that split() of the text, or of any continuation (not finished), starts with."""
         p, text = self.parser, self.text
         if not finished:
-            if p.start.startswith(text):
+            if p.may_begin(text):
                 return "", ""  # (it may be opening a block)
             body = text[len(p.start):]
             if text.startswith(p.start) and p.end not in body:  # (the block goes on: hold back a cut tag)
@@ -64,4 +70,30 @@ class ReasoningStream:
         return tuple(part or "" for part in p.split(text))
 
 
-REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}
+class GptOssReasoningParser(Qwen3ReasoningParser):
+    """gpt-oss's harmony format: the completion (after the template's `<|start|>assistant`) is
+
+        <|channel|>analysis<|message|>REASONING<|end|><|start|>assistant<|channel|>final<|message|>ANSWER
+
+    (its `<|return|>` is a stop token: not in the text), or the final channel alone. The markers are
+    special tokens, so these requests keep them in their text (skip_special_tokens=False). Not read
+    here: tool calls and preambles (the commentary channel), which stay in the content as written.
+    """
+    start = "<|channel|>analysis<|message|>"
+    end = "<|end|><|start|>assistant<|channel|>final<|message|>"
+    final = "<|channel|>final<|message|>"
+    keeps_special_tokens = True
+
+    def opened_by(self, prompt_tail: str) -> bool:
+        return False  # (the template ends with <|start|>assistant: the model names the channel itself)
+
+    def may_begin(self, text: str) -> bool:
+        return self.start.startswith(text) or self.final.startswith(text)
+
+    def split(self, text: str, started: bool = False) -> tuple[str | None, str | None]:
+        if text.startswith(self.final):  # (no reasoning: the final channel at once)
+            return None, text[len(self.final):] or None
+        return super().split(text, started)
+
+
+REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser, "openai_gptoss": GptOssReasoningParser}
