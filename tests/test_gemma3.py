@@ -303,3 +303,15 @@ def test_a_captured_decode_step_reads_the_window_tables(gemma_dir, prompts):
         block = llm.block_manager.tables[seq.seq_id].blocks[p // 16]
         assert window.slot_mapping.tolist() == [block * 16 + p % 16, runner.num_window_blocks * 16]
         llm.abort(seq)
+
+
+def test_the_window_pool_is_sized_for_every_row_at_once():
+    """2 blocks a row for the window's edges, plus every row's W - 1 keys and a step's tokens; a window
+    beyond max_model_len counts as max_model_len (gemma-3-1b's 512 with 256 tokens at most)."""
+    from types import SimpleNamespace
+    from nanovllm.features.window_blocks import num_window_blocks
+    config = SimpleNamespace(max_num_seqs=512, block_size=16, max_model_len=4096, max_num_batched_tokens=16384,
+                             hf_config=SimpleNamespace(sliding_window=512))
+    assert num_window_blocks(config) == 2 * 512 + (512 * 511 + 16384) // 16 == 18400
+    config.max_model_len = 256
+    assert num_window_blocks(config) == 2 * 512 + -(-(512 * 255 + 16384) // 16)

@@ -66,9 +66,10 @@ def window_of(config) -> int:
 
 
 def num_window_blocks(config) -> int:
-    """The window pool's blocks: every row's window and a step's tokens at once (see above)."""
-    rows, bs = config.max_num_seqs, config.block_size
-    return 2 * rows + -(-(rows * (window_of(config) - 1) + config.max_num_batched_tokens) // bs)
+    """The window pool's blocks: every row's window and a step's tokens at once (see above); a
+    window longer than max_model_len counts as max_model_len (no sequence gets further)."""
+    rows, bs, window = config.max_num_seqs, config.block_size, min(window_of(config), config.max_model_len)
+    return 2 * rows + -(-(rows * (window - 1) + config.max_num_batched_tokens) // bs)
 
 
 def window_group_classes(config) -> tuple[type, type, object]:
