@@ -14,7 +14,7 @@ The window pool is sized at start-up for all of that at once (num_window_blocks)
 
     max_num_seqs * 2 + ceil((max_num_seqs * (W - 1) + max_num_batched_tokens) / bs)
 
-so it never runs out, and admission and preemption count the full pool alone, as before. A
+(W at most max_model_len) so it never runs out, and admission and preemption count the full pool alone, as before. A
 sliding-window layer's memory per sequence is its window, not its length: Gemma 3's five local
 layers of six keep 512 tokens of K/V each, the one global layer the whole context.
 

@@ -112,7 +112,7 @@ class WindowedTorchBackend:
 
 
 class WindowBound:
-    """A backend whose forward takes `window=` (the Triton backend's), with this layer's window bound
+    """A backend whose forward takes `window=` (Triton's, flash-attn's), with this layer's window bound
     (0: none); `sinks=` passed on where the caller gives it (layers/attention_sinks.py)."""
 
     def __init__(self, backend, window: int):

@@ -21,8 +21,8 @@ vLLM's are; transformers keeps gpt-oss's norm weights in float32 and scales befo
 in bf16 differs in the last bit (float32, the tests' dtype, is the same).
 
 The experts run as PyTorch's per-expert loop on every device (the fused Triton kernel has no biases
-nor this activation), and the attention on the torch backend (the Triton and flash-attn kernels have
-no sink term yet). Pipeline parallelism is not wired in.
+nor this activation); the attention on the torch or Triton backend (flash-attn's kernels have no
+sink term). Pipeline parallelism is not wired in.
 """
 import torch
 import torch.nn.functional as F
