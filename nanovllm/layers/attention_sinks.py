@@ -7,11 +7,11 @@ as transformers' eager_attention_forward computes it (the sink column appended t
 softmax, the column dropped). A query whose keys all score far below s_h returns about zero.
 
 SinkAttention is the layer: an Attention over a window (None: a full-attention layer) whose
-`sinks` [this rank's heads] are handed to the backend's forward. The torch backend computes the
-formula above (sliding_window.attend_with_sinks, beside the window's attention); the Triton
-kernels add exp(s_h) to their softmax's running sum at the end (triton_attn._sink_share;
-split-KV decode in its reduction), which needs no change to the loop. flash-attn's kernels have no
-sink term: a model with sinks is refused there at start-up.
+`sinks` [this rank's heads] are bound into its backend's windowed form. The torch backend
+computes the formula above (sliding_window.attend_with_sinks, beside the window's attention);
+the Triton kernels add exp(s_h) to their softmax's running sum at the end
+(triton_attn._sink_share; split-KV decode in its reduction), which needs no change to the loop.
+flash-attn's kernels have no sink term: a model with sinks is refused there at start-up.
 """
 import inspect
 
@@ -21,7 +21,7 @@ from torch import nn
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.backends.torch_ref import TorchBackend
 from nanovllm.layers.sliding_window import WindowBound, WindowedTorchBackend, check_window, window_context
-from nanovllm.utils.context import get_context
+from nanovllm.utils.context import forward_context, get_context
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import tp_rank, tp_size
 
@@ -44,9 +44,9 @@ class SinkAttention(Attention):
         if backend is None:
             self._windowed = None
         elif backend is TorchBackend:
-            self._windowed = WindowedTorchBackend(self.window)
+            self._windowed = WindowedTorchBackend(self.window, self.sinks)
         elif "sinks" in inspect.signature(backend.forward).parameters:  # the Triton backend's (window 0: none)
-            self._windowed = WindowBound(backend, self.window or 0)
+            self._windowed = WindowBound(backend, self.window or 0, self.sinks)
         else:
             name = getattr(backend, "__name__", type(backend).__name__)
             raise ValueError(f"attention sinks (gpt-oss) run on attention_backend='torch' or 'triton', not on "
@@ -62,9 +62,7 @@ class SinkAttention(Attention):
         param.data.copy_(loaded[self.tp_rank * heads:(self.tp_rank + 1) * heads])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context = get_context() if self.window is None else window_context(get_context())
-        if self.k_cache is not None and context.slot_mapping is not None:  # (the warm-up step stores nothing)
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.k_scale,
-                                   self.v_scale, sinks=self.sinks)
-        return out.flatten(1)
+        if self.window is None:  # (a full layer: the step's own context)
+            return super().forward(q, k, v)
+        with forward_context(window_context(get_context())):  # (as SlidingWindowAttention's)
+            return super().forward(q, k, v)

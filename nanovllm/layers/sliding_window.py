@@ -81,15 +81,14 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 class WindowedTorchBackend:
     """The torch backend with a window: TorchBackend's store, attention over each query's window
-    (None: the whole context, for attention sinks' full layers), with sinks where forward gets them."""
+    (None: the whole context, for attention sinks' full layers), with a layer's sinks where it has them."""
     elementwise = None
     store_kv = staticmethod(TorchBackend.store_kv)
 
-    def __init__(self, window: int | None):
-        self.window = window
+    def __init__(self, window: int | None, sinks: torch.Tensor | None = None):
+        self.window, self.sinks = window, sinks
 
-    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None,
-                sinks=None):
+    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
         out = torch.empty_like(q)
         fp8 = k_cache is not None and k_cache.dtype == FP8_KV_DTYPE
         if fp8 and context.block_tables is None:  # what the cache holds for them (torch_ref.py says why)
@@ -107,22 +106,22 @@ class WindowedTorchBackend:
                 seq_v = gather_span(v_cache, context.block_tables[i], first_key, length)
                 if fp8:
                     seq_k, seq_v = dequantize_kv(seq_k, k_scale, q.dtype), dequantize_kv(seq_v, v_scale, q.dtype)
-            out[start:end] = windowed_attend(q[start:end], seq_k, seq_v, scale, self.window, length, sinks)
+            out[start:end] = windowed_attend(q[start:end], seq_k, seq_v, scale, self.window, length, self.sinks)
         return out
 
 
 class WindowBound:
     """A backend whose forward takes `window=` (Triton's, flash-attn's), with this layer's window bound
-    (0: none); `sinks=` passed on where the caller gives it (layers/attention_sinks.py)."""
+    (0: none), and `sinks=` where the layer has them (layers/attention_sinks.py: Triton's)."""
 
-    def __init__(self, backend, window: int):
+    def __init__(self, backend, window: int, sinks: torch.Tensor | None = None):
         self.backend, self.window = backend, window
+        self.extra = {} if sinks is None else {"sinks": sinks}
         self.elementwise, self.store_kv = backend.elementwise, backend.store_kv
 
-    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None,
-                **sinks):
+    def forward(self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None):
         return self.backend.forward(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale, window=self.window,
-                                    **sinks)
+                                    **self.extra)
 
 
 def windowed(backend, window: int):
