@@ -40,7 +40,7 @@ from nanovllm.layers.scaled_rope import check_scaled_rope, scaled_rotary_embeddi
 from nanovllm.layers.transformer import (DecoderFlags, DecoderForCausalLM, DecoderLayer, DecoderModel, head_dim_of,
                                          num_kv_heads_of)
 from nanovllm.models.layer_kinds import check_layer_types
-from nanovllm.models.sparse import num_experts_of
+from nanovllm.models.sparse import check_experts_per_token, num_experts_of
 from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import stage_layers, tp_group, tp_rank, tp_size
 
@@ -230,9 +230,7 @@ def check_gpt_oss_config(config: PretrainedConfig):
         raise ValueError(f"num_attention_heads={config.num_attention_heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
     check_scaled_rope(rope_parameters(config), head_dim)
-    num_experts, top_k = num_experts_of(config), getattr(config, "num_experts_per_tok", None)
-    if num_experts < 1 or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok={top_k!r} must be in [1, num_local_experts={num_experts}]")
+    check_experts_per_token(config, "num_local_experts")
     quantization = getattr(config, "quantization_config", None)
     if quantization is not None:
         method = (quantization if isinstance(quantization, dict) else quantization.to_dict()).get("quant_method")

@@ -127,7 +127,8 @@ class Qwen3_5TextModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = PartialRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, kind, rotary_emb, build_mlp(config, f"model.layers.{i}.mlp"), f"model.layers.{i}")
+            Qwen3_5DecoderLayer(config, kind, rotary_emb, build_mlp(config, f"model.layers.{i}.mlp"),
+                                f"model.layers.{i}")
             for i, kind in enumerate(config.layer_types))
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 

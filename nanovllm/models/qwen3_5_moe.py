@@ -16,7 +16,7 @@ from nanovllm.layers.linear import ReplicatedLinear, current_quantization
 from nanovllm.layers.moe import SparseMoE
 from nanovllm.layers.transformer import GatedMLP
 from nanovllm.models.qwen3_5 import Qwen3_5ForCausalLM, check_qwen3_5_config
-from nanovllm.models.sparse import expert_target, num_experts_of
+from nanovllm.models.sparse import check_experts_per_token, expert_target, num_experts_of
 
 
 class SharedExpertMoE(nn.Module):
@@ -43,9 +43,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     @classmethod
     def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):
         check_qwen3_5_config(config)
-        num_experts, top_k = num_experts_of(config), getattr(config, "num_experts_per_tok", None)
-        if num_experts < 1 or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k!r} must be in [1, num_experts={num_experts}]")
+        check_experts_per_token(config, "num_experts")
 
     @staticmethod
     def build_mlp(config: PretrainedConfig, prefix: str) -> nn.Module:

@@ -24,6 +24,13 @@ def num_experts_of(config: PretrainedConfig) -> int:
     return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
 
 
+def check_experts_per_token(config: PretrainedConfig, experts_field: str):
+    """ValueError unless num_experts_per_tok is an int in [1, the config's `experts_field`]."""
+    num_experts, top_k = num_experts_of(config), getattr(config, "num_experts_per_tok", None)
+    if num_experts < 1 or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k!r} must be in [1, {experts_field}={num_experts}]")
+
+
 class SparseDecoderForCausalLM(DecoderForCausalLM):
     """A family says which layers are sparse, how wide its experts are, whether top-k is renormalized."""
 

@@ -594,7 +594,8 @@ def decode(q, k_cache, v_cache, seq_lens_k, block_tables, scale: float, out: tor
     k_scale, v_scale = kv_scales(k_cache, k_scale, v_scale)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, mid_o, mid_m, mid_l, seq_lens_k, block_tables, cu_q, k_scale, v_scale,
-        q if sinks is None else sinks, *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        q if sinks is None else sinks, *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
         num_heads * num_splits, num_splits, 1,
         scale * LOG2E, num_splits, max_queries, window,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, SPLIT_KV=num_splits > 1, MIXED=mixed,

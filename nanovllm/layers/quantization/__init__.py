@@ -20,9 +20,10 @@ SUPPORTED_AWQ = {"bits": 4, "group_size": 128, "zero_point": True, "version": "g
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """method: "fp8", "awq" or "mxfp4" (a checkpoint's only). weight_block_size: fp8 checkpoints' (bn, bk) block (None: per-channel
-    scales, the weights quantized at load). group_size: awq's inputs per scale. serialized: the
-    checkpoint holds quantized tensors (else they are quantized as they load).
+    """method: "fp8", "awq" or "mxfp4" (a checkpoint's only). weight_block_size: fp8 checkpoints'
+    (bn, bk) block (None: per-channel scales, the weights quantized at load). group_size: awq's
+    inputs per scale. serialized: the checkpoint holds quantized tensors (else they are quantized
+    as they load).
     modules_to_not_convert: names (or name fragments) of layers the checkpoint keeps unquantized."""
     method: str
     serialized: bool
