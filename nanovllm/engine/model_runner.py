@@ -415,14 +415,12 @@ class ModelRunner:
         return Context(
             cu_seqlens_q=d["cu_q"].int(), cu_seqlens_k=d["cu_k"].int() if "cu_k" in d else None,
             seq_lens_k=d["lens_k"].int(), max_seqlen_q=1 if decode_only else int(batch.num_new.max()),
-            max_seqlen_k=max_len_k,
+            max_seqlen_k=max_len_k, max_model_len=self.config.max_model_len,
             block_tables=self.block_tables[step_rows, :width] if has_context and not layout.graph_size else None,
-            # each sampling row's last token: when every row samples its one token, the first B rows
-            # (a slice, a view: a gather of them costs ~40 µs of a 256-row step's host time on CPU)
+            # sampling rows' last tokens: when each samples one, the first B rows (a view; a gather: ~40 µs at B=256)
             logits_indices=slice(0, batch.num_seqs) if layout.all_sample else d["logits_indices"],
             decode_only=decode_only, cu_seqlens_q_cpu=layout.cu_q.tolist(), seq_lens_k_cpu=lens_k.tolist(),
-            padded_batch=padded_batch_size(batch.num_seqs, self.graph_sizes) if decode_only else 0,
-            max_model_len=self.config.max_model_len)
+            padded_batch=padded_batch_size(batch.num_seqs, self.graph_sizes) if decode_only else 0)
 
     def upload(self, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Named int64 host arrays on the device, in one copy of one buffer (each part aligned)."""

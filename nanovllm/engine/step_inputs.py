@@ -23,9 +23,11 @@ def padded_batch_size(batch: int, sizes: list[int]) -> int:
 
 def gather_inputs(token_table: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The input id and KV-cache slot of each new token, [T] each, from its row and position [T]:
-    the slot of position p of a row is block_tables[row, p // block_size] * block_size + p % block_size."""
-    input_ids = token_table[rows, positions]
+    """The input id and KV-cache slot (kv_slots) of each new token, [T] each, from its row and position [T]."""
+    return token_table[rows, positions], kv_slots(block_tables, rows, positions, block_size)
+
+
+def kv_slots(block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slot of position p of a row: block_tables[row, p // block_size] * block_size + p % block_size."""
     block_index = positions // block_size  # (four ops, not six: each is a few µs on the host)
-    slots = torch.add(positions, block_tables[rows, block_index] - block_index, alpha=block_size)
-    return input_ids, slots
+    return torch.add(positions, block_tables[rows, block_index] - block_index, alpha=block_size)

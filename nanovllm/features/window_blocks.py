@@ -55,6 +55,7 @@ from nanovllm.engine.model_runner import ModelRunner, flatten_writes
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import StepBatch
+from nanovllm.engine.step_inputs import kv_slots
 from nanovllm.layers.attention import bind_kv_cache
 from nanovllm.layers.sliding_window import WindowStep
 
@@ -268,8 +269,7 @@ class WindowRunner(ModelRunner):
                            step_rows: torch.Tensor | None):
         """context.layer_group: a WindowStep with the window tables' slots of the tokens (rows,
         positions [T]) and, where context has block tables, those of step_rows, as wide."""
-        block_index = positions // self.block_size
-        slots = positions + (self.window_tables[rows, block_index] - block_index) * self.block_size
+        slots = kv_slots(self.window_tables, rows, positions, self.block_size)
         tables = None if step_rows is None else self.window_tables[step_rows, :context.block_tables.shape[1]]
         context.layer_group = WindowStep(replace(context, slot_mapping=slots, block_tables=tables))
 
