@@ -118,18 +118,22 @@ class GptOssExperts(nn.Module):
         local = self.w2.shape[2]
         return rows[:, self.tp_rank * local:(self.tp_rank + 1) * local]
 
+    def _gate_then_up(self, interleaved: torch.Tensor) -> torch.Tensor:
+        """gate_up rows or biases [E, 2I, ...], gate, up, gate, ...: this rank's gate rows, then its up rows."""
+        return torch.cat([self._rank_rows(interleaved[:, 0::2]), self._rank_rows(interleaved[:, 1::2])], 1)
+
     def _load_weight(self, part: str, weight: torch.Tensor):
-        """weight [E, out, in]: gate_up's rows interleaved gate, up, gate, ...; down's whole."""
+        """weight [E, out, in]: gate_up's rows interleaved; down's whole."""
         check_shape(weight, self._full_shape(part))
         if part == "gate_up":
-            self.w13.data.copy_(torch.cat([self._rank_rows(weight[:, 0::2]), self._rank_rows(weight[:, 1::2])], 1))
+            self.w13.data.copy_(self._gate_then_up(weight))
         else:
             self.w2.data.copy_(self._rank_rows(weight.transpose(1, 2)).transpose(1, 2))
 
     def _load_bias(self, part: str, bias: torch.Tensor):
         check_shape(bias, self._full_shape(part)[:2])
         if part == "gate_up":
-            self.w13_bias.data.copy_(torch.cat([self._rank_rows(bias[:, 0::2]), self._rank_rows(bias[:, 1::2])], 1))
+            self.w13_bias.data.copy_(self._gate_then_up(bias))
         else:
             self.w2_bias.data.copy_(bias)
 
