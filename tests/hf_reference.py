@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import draw_zero_initialized
+from nanovllm.utils.tiny_model import EOS_TOKEN, TINY_SIZES, build_tokenizer, draw_zero_initialized
 
 _HF_MODELS = {}
 
@@ -33,6 +33,36 @@ def save_with_random_norms(model, path: str):
     random first, as tiny_model.build_model draws them, so that their code paths are tested."""
     draw_zero_initialized(model, 0.2)
     model.save_pretrained(path)
+
+
+def save_multimodal_model(path: str, config_class, model_class, text: dict, **options):
+    """A tiny multimodal Hugging Face model, its tokenizer beside it: the text model of TINY_SIZES
+    updated by `text`, the rest of config_class's **options (vision_config, token ids, ...); drawn
+    with seed 0 (save_with_random_norms) and saved at path. Returns the model."""
+    eos = build_tokenizer(path).convert_tokens_to_ids(EOS_TOKEN)
+    config = config_class(text_config=dict(TINY_SIZES, eos_token_id=eos, **text), **options)
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(0)
+    model = model_class(config).to(torch.float32).eval()
+    save_with_random_norms(model, path)
+    return model
+
+
+def assert_text_equals_hf_model(model, path: str, prompts: list) -> str:
+    """LLM(path)'s greedy text (chunked prefill: 64-token steps, 16-token blocks) equals `model`'s,
+    a Hugging Face model in memory; returns the class the engine ran."""
+    with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        ran = type(llm.model_runner.model).__name__
+    assert_outputs_equal_hf_model(model, prompts, outputs)
+    return ran
+
+
+# Qwen3.5's (and Qwen3.5-MoE's) vision tower at toy size, and its special tokens
+QWEN3_5_VISION = dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                         patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                                         num_position_embeddings=64),
+                      image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
 
 
 def assert_outputs_equal_hf_model(model, prompts: list, outputs: list[dict]):

@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():  # (the triton backend's refusal below builds it on CPU: interpreted)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
-                          assert_prefix_cache_and_preemption, save_with_random_norms)
+from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_prefix_cache_and_preemption,
+                          assert_text_equals_hf_model, save_multimodal_model)
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.block_manager import chain_hash
 from nanovllm.layers.sliding_window import gather_span, windowed_attend
@@ -262,25 +262,13 @@ def test_the_multimodal_checkpoints_run_their_text_model(tmp_path, prompts):
     weights under model.language_model.*, the vision tower and projector skipped; greedy text equals
     Hugging Face's for the whole model, prompts many windows long."""
     import transformers
-    from nanovllm.utils.tiny_model import build_tokenizer
-    path = str(tmp_path / "gemma3_mm")
-    eos = build_tokenizer(path).convert_tokens_to_ids("<|endoftext|>")
-    text = dict(LAYERS, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
-                eos_token_id=eos)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                       image_token_index=500, boi_token_index=501, eoi_token_index=502)
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
-    save_with_random_norms(hf, path)
-    chosen = prompts[3:6]
-    with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
-        assert type(llm.model_runner.model).__name__ == "Gemma3ForConditionalGeneration"
-        outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
-    assert_outputs_equal_hf_model(hf, chosen, outputs)
+    path = str(tmp_path / "gemma3_mm")
+    hf = save_multimodal_model(path, transformers.Gemma3Config,
+                               transformers.Gemma3ForConditionalGeneration, LAYERS, vision_config=vision,
+                               mm_tokens_per_image=4, image_token_index=500, boi_token_index=501, eoi_token_index=502)
+    assert assert_text_equals_hf_model(hf, path, prompts[3:6]) == "Gemma3ForConditionalGeneration"
 
 
 def test_a_captured_decode_step_reads_the_window_tables(gemma_dir, prompts):

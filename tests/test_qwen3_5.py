@@ -6,8 +6,8 @@ recurrent form; the state pool's size; bad configs and options refused at start-
 import pytest
 import torch
 
-from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
-                          save_with_random_norms)
+from hf_reference import (QWEN3_5_VISION, assert_greedy_matches_hf, assert_logprobs_equal_hf,
+                          assert_text_equals_hf_model, save_multimodal_model)
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.gated_delta_net import (CHUNK_SIZE, causal_conv1d, chunk_gated_delta_rule, l2norm,
                                              recurrent_gated_delta_rule)
@@ -110,29 +110,16 @@ def test_the_hubs_conditional_generation_checkpoint_runs_its_text_model(tmp_path
     equals Hugging Face's for the whole model."""
     import transformers
     from safetensors.torch import load_file, save_file
-    from nanovllm.utils.tiny_model import LINEAR_ATTENTION_SETTINGS, build_tokenizer
+    from nanovllm.utils.tiny_model import LINEAR_ATTENTION_SETTINGS
     path = str(tmp_path / "vl")
-    eos = build_tokenizer(path).convert_tokens_to_ids("<|endoftext|>")
-    text = dict(LINEAR_ATTENTION_SETTINGS, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
-                eos_token_id=eos)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=500,
-                                        video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
-    config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float32).eval()
-    save_with_random_norms(hf, path)
+    hf = save_multimodal_model(path, transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration,
+                               LINEAR_ATTENTION_SETTINGS, **QWEN3_5_VISION)
     weights = load_file(f"{path}/model.safetensors")
     assert any(k.startswith("model.visual.") for k in weights) and any(k.startswith("model.language_model.")
                                                                         for k in weights)
     weights["mtp.fc.weight"] = torch.zeros(64, 128)  # (the Hub's checkpoints carry MTP weights: skipped too)
     save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
-    chosen = prompts[2:6]
-    with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
-        outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
-    assert_outputs_equal_hf_model(hf, chosen, outputs)
+    assert_text_equals_hf_model(hf, path, prompts[2:6])
 
 
 # ---- memory ---------------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ prefill, prefix caching, preemption and TP=2, the Hub's ConditionalGeneration ch
 import pytest
 import torch
 
-from hf_reference import (assert_greedy_matches_hf, assert_logprobs_equal_hf, assert_outputs_equal_hf_model,
-                          assert_prefix_cache_and_preemption, save_with_random_norms)
+from hf_reference import (QWEN3_5_VISION, assert_greedy_matches_hf, assert_logprobs_equal_hf,
+                          assert_prefix_cache_and_preemption, assert_text_equals_hf_model, save_multimodal_model)
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import FAMILY_SETTINGS, build_tokenizer, edit_model
+from nanovllm.utils.tiny_model import FAMILY_SETTINGS, edit_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 MODELS = {
@@ -54,22 +54,9 @@ def test_the_hubs_conditional_generation_checkpoint_runs_its_text_model(tmp_path
     router included), a vision tower beside it, skipped; greedy text equals HF's whole model."""
     import transformers
     path = str(tmp_path / "vl")
-    eos = build_tokenizer(path).convert_tokens_to_ids("<|endoftext|>")
-    text = dict(FAMILY_SETTINGS["qwen3_5_moe"], vocab_size=512, hidden_size=64, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
-                eos_token_id=eos)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
-    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=500,
-                                           video_token_id=501, vision_start_token_id=502, vision_end_token_id=503)
-    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
-    torch.manual_seed(0)
-    hf = transformers.Qwen3_5MoeForConditionalGeneration(config).to(torch.float32).eval()
-    save_with_random_norms(hf, path)
-    chosen = prompts[2:6]
-    with LLM(path, max_model_len=400, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
-        outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
-    assert_outputs_equal_hf_model(hf, chosen, outputs)
+    hf = save_multimodal_model(path, transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration,
+                               FAMILY_SETTINGS["qwen3_5_moe"], **QWEN3_5_VISION)
+    assert_text_equals_hf_model(hf, path, prompts[2:6])
 
 
 def test_the_shared_expert_gate_changes_the_answer(moe_dir, prompts, reference, tmp_path):
@@ -87,6 +74,7 @@ def test_the_shared_expert_gate_changes_the_answer(moe_dir, prompts, reference, 
 
 
 def test_bad_configs_are_refused(moe_dir, tmp_path):
-    bad = edit_model(moe_dir("qwen3_5_moe"), str(tmp_path / "bad"), edit_config=lambda c: c.update(num_experts_per_tok=9))
+    bad = edit_model(moe_dir("qwen3_5_moe"), str(tmp_path / "bad"),
+                     edit_config=lambda config: config.update(num_experts_per_tok=9))
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=4\]"):
         LLM(bad)

@@ -76,6 +76,9 @@ FAMILIES = {
     # Qwen3.5's layers, each MLP 4 experts (2 a token) and a gated shared expert
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
 }
+# Every family's tiny sizes (a multimodal checkpoint's text model too), under FAMILY_SETTINGS and overrides.
+TINY_SIZES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2)
 MOE_SETTINGS = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
                 "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
 # Qwen3.5's linear-attention sizes: 2 key heads of 16, 4 value heads of 16 (two per key head)
@@ -107,9 +110,7 @@ def build_model(path: str, arch: str = "qwen3", tokenizer: bool = True, seed: in
     eos_id = None
     if tokenizer:
         eos_id = build_tokenizer(path, chat_template=chat_template).convert_tokens_to_ids(EOS_TOKEN)
-    settings = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                    initializer_range=0.2, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,
+    settings = dict(TINY_SIZES, tie_word_embeddings=False, eos_token_id=eos_id if eos_id is not None else 0,
                     dtype="float32")
     settings.update(FAMILY_SETTINGS.get(arch, {}))
     settings.update(overrides)
