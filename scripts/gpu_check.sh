@@ -10,6 +10,12 @@ cd "$(dirname "$0")/.."
 # (COLUMNS: pytest cuts its summary lines to the terminal's width, a time-out's reason with them)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 COLUMNS=400
 [[ " $* " == *" --plan "* ]] && exec python3 scripts/gpu_check.py "$@"
+# Packages the GPU image lacks, where the call carried them as wheels (bash scripts/gpu_wheels.sh
+# here fills .whl/: fla-core, Qwen3.5's linear-attention kernels; the device call carries .whl)
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
 log_dir=${GPU_CHECK_RECORD_DIR:-${OUT:-docs/gpu-runs}}
 mkdir -p "$log_dir"
 python3 scripts/gpu_check.py "$@" 2>&1 | tee -a "$log_dir/gpu_check.log"

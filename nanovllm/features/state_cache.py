@@ -30,6 +30,7 @@ fresh rows are zeroed and the snapshots copied before a replay, outside the grap
 Not wired in: speculative decoding (a rejected draft would have to roll a state back, which needs a
 state per draft position) and pipeline parallelism.
 """
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
@@ -44,6 +45,8 @@ from nanovllm.engine.step_batch import StepBatch
 from nanovllm.layers.gated_delta_net import GatedDeltaNet, StateStep
 from nanovllm.utils.context import to_device
 
+logger = logging.getLogger(__name__)
+
 
 def state_cache_classes(config) -> tuple[type, type, type]:
     """The runner, scheduler and block manager of a model with linear-attention layers, or a
@@ -55,6 +58,21 @@ def state_cache_classes(config) -> tuple[type, type, type]:
         raise ValueError("pipeline_parallel_size > 1 is not supported for models with linear-attention layers; use "
                          "tensor_parallel_size instead")
     return StateRunner, StateScheduler, StateBlockManager
+
+
+def delta_rule_kernels(config, device: torch.device):
+    """The Gated DeltaNet layers' kernels: fla-core's Triton kernels on CUDA where installed
+    (layers/gated_delta_net_fla.py), else None: the layer's PyTorch reference (on CPU, with
+    attention_backend='torch', or without fla-core, which start-up then names)."""
+    if device.type != "cuda" or config.attention_backend == "torch":
+        return None
+    try:
+        from nanovllm.layers.gated_delta_net_fla import FlaDeltaRule
+    except ImportError as e:
+        logger.warning("fla-core is not installed (%s): the Gated DeltaNet layers run their PyTorch reference, "
+                       "one sequence at a time; pip install 'nanovllm[linear]' for its Triton kernels", e)
+        return None
+    return FlaDeltaRule()
 
 
 def num_snapshot_slots(config) -> int:
@@ -169,8 +187,9 @@ class StateScheduler(Scheduler):
 
 
 class StateRunner(ModelRunner):
-    """The model runner, with the state pool bound to the linear-attention layers and each step's
-    StateStep on the forward context (a captured decode step's too: graph_group_context)."""
+    """The model runner, with the state pool (and the kernels, delta_rule_kernels) bound to the
+    linear-attention layers and each step's StateStep on the forward context (a captured decode
+    step's too: graph_group_context)."""
 
     def _load(self, config):
         super()._load(config)
@@ -181,8 +200,10 @@ class StateRunner(ModelRunner):
         # states in float32 (transformers' kernels accumulate them so; bf16 would drift over a long prompt)
         self.conv_states = torch.zeros(len(layers), num_slots, *conv_shape, dtype=config.dtype, device=self.device)
         self.ssm_states = torch.zeros(len(layers), num_slots, *ssm_shape, dtype=torch.float32, device=self.device)
+        kernels = delta_rule_kernels(config, self.device)
         for i, layer in enumerate(layers):
             layer.conv_state, layer.ssm_state = self.conv_states[i], self.ssm_states[i]
+            layer.kernels = kernels
 
     def state_slot_bytes(self) -> int:
         """Bytes of one slot's states, every linear-attention layer's (this rank's share)."""

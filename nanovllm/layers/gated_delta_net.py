@@ -15,7 +15,8 @@ context (`Context.layer_group`, a StateStep), the slot of each sequence and wher
 runner has already zeroed the slots of sequences that start from position 0 and copied snapshots
 into those that resume from one.
 
-The kernels here are the readable PyTorch forms, computed as transformers' torch fallbacks compute
+The kernels here are the readable PyTorch forms (on CUDA, fla-core's Triton kernels take their place
+where installed: gated_delta_net_fla.py), computed as transformers' torch fallbacks compute
 them (modeling_qwen3_5.py): the chunked form of the delta rule for prefill chunks (64 tokens a
 chunk: a few matmuls and a triangular solve per chunk instead of a loop over tokens), the recurrent
 form for decodes (all decoding sequences at once), and the causal conv1d with its state.
@@ -161,7 +162,8 @@ class GatedDeltaNet(nn.Module):
 
     conv_state [slots, conv_dim, K - 1] and ssm_state [slots, Hv, Dk, Dv] (this rank's heads) are
     bound by the runner (features/state_cache.py); before that, and in the start-up warm-up step,
-    every sequence starts from zeros and nothing is kept."""
+    every sequence starts from zeros and nothing is kept. `kernels`, bound there too, replaces the
+    PyTorch reference of this module with fla-core's Triton kernels on CUDA (gated_delta_net_fla.py)."""
 
     def __init__(self, config: PretrainedConfig, prefix: str):
         super().__init__()
@@ -187,6 +189,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(value_dim, config.hidden_size, prefix=f"{prefix}.out_proj")
         self.conv_dim = self.conv1d.weight.shape[0]
         self.conv_state = self.ssm_state = None
+        self.kernels = None  # the PyTorch reference below; fla-core's (gated_delta_net_fla.py) where bound
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         """A_log or dt_bias: this rank's value heads of the checkpoint's [Hv]."""
@@ -207,7 +210,9 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]                                           # [conv_dim, K]
         states = context.layer_group if self.conv_state is not None else None
-        if states is not None and context.decode_only:
+        if self.kernels is not None:
+            out = self.kernels.forward(self, mixed, g, beta, weight, context, states)
+        elif states is not None and context.decode_only:
             out = self._decode(mixed, g, beta, weight, states.rows[:num_tokens])
         else:
             out = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=hidden.dtype, device=hidden.device)
