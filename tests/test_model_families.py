@@ -111,7 +111,7 @@ def test_unsupported_architecture(family_dir, tmp_path):
     with pytest.raises(ValueError, match=r"unsupported model architecture 'FancyNewForCausalLM'; supported: "
                                          r"\['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', 'GptOssForCausalLM', "
                                          r"'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', "
-                                         r"'Qwen3ForCausalLM', "
+                                         r"'Qwen2_5_VLForConditionalGeneration', 'Qwen3ForCausalLM', "
                                          r"'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', "
                                          r"'Qwen3_5MoeForCausalLM', 'Qwen3_5MoeForConditionalGeneration'\]"):
         LLM(folder)

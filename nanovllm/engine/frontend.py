@@ -63,7 +63,10 @@ class Frontend:
         self._grammars_lock = threading.Lock()
 
     def encode_prompt(self, prompt) -> list[int]:
-        """A prompt (a string, or a list of token ids) as validated token ids, else a TypeError or ValueError."""
+        """A prompt (a str, token ids, or a dict with images) as validated token ids, else a TypeError or ValueError."""
+        if isinstance(prompt, dict):  # {"prompt" or "prompt_token_ids", "multi_modal_data"}: features/multimodal.py
+            from nanovllm.features.multimodal import encode_multimodal
+            return encode_multimodal(self, prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model!r} has no tokenizer: pass prompts as lists of token ids")
@@ -76,7 +79,7 @@ class Frontend:
                 raise TypeError(f"a prompt's token ids must be ints, got {bad!r} of type {type(bad).__name__}")
             ids = [operator.index(t) for t in prompt]
         else:
-            raise TypeError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+            raise TypeError(f"a prompt must be a str, a list of int token ids or a dict, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("a prompt must have at least one token, got an empty prompt")
         vocab_size = self.config.hf_config.vocab_size

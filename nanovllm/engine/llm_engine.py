@@ -12,6 +12,7 @@ from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.models import resolve_model_class
 from nanovllm.sampling_params import SamplingParams, is_integer
 from nanovllm.utils.logging import format_bytes
 
@@ -44,7 +45,7 @@ class LLMEngine(Frontend):
         if config.pipeline_parallel_size > 1:  # a runner that runs its stage's layers
             from nanovllm.distributed.pipeline import PipelineRunner  # (a layer: loaded when asked for)
             runner_class = PipelineRunner
-        if set(getattr(config.hf_config, "layer_types", None) or ()) - {"full_attention"}:  # layers of other kinds
+        if getattr(resolve_model_class(config.hf_config), "engine_layers", False):  # layers of other kinds, images
             from nanovllm.features.layer_groups import group_classes  # (a layer: loaded when a model asks)
             runner_class, scheduler_class, block_manager_class = group_classes(config, runner_class, scheduler_class)
         workers = None
@@ -96,7 +97,8 @@ class LLMEngine(Frontend):
                    if sampling_params.structured_outputs is not None else None)
         seed = sampling_params.seed if sampling_params.seed is not None else self._seed_rng.getrandbits(63)
         # each sample gets its own noise stream: seeds spaced by an odd 64-bit constant
-        samples = [Sequence(ids, sampling_params, (seed + j * SAMPLE_SEED_STRIDE) % 2**63, index, j)
+        sequence_class = getattr(ids, "sequence_class", Sequence)  # (a prompt with images: features/multimodal.py)
+        samples = [sequence_class(ids, sampling_params, (seed + j * SAMPLE_SEED_STRIDE) % 2**63, index, j)
                    for j in range(sampling_params.n)]
         if grammar is not None:  # each sample follows the grammar on its own
             for seq in samples:
@@ -107,7 +109,7 @@ class LLMEngine(Frontend):
 
     def _make_requests(self, prompts, sampling_params, stream: bool) -> list[list[Sequence]]:
         """Normalize generate()/stream() arguments and validate every request; nothing is queued."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                         and all(is_integer(t) for t in prompts)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):

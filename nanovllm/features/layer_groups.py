@@ -1,5 +1,6 @@
-"""Which runner, scheduler and block manager run a model whose layers are of several kinds
-(config.layer_types lists more than "full_attention"), one group of layers per kind:
+"""Which runner, scheduler and block manager run a model that needs more than the core's: one whose
+class says so (`engine_layers = True`): a model that takes images (`takes_images`: features/multimodal.py),
+or one whose layers are of several kinds (config.layer_types), one group of layers per kind:
 
   linear_attention    features/state_cache.py: a fixed-size state per sequence, in its row's slot
   sliding_attention   features/window_blocks.py: a pool of blocks of their own, the window's alone;
@@ -9,10 +10,14 @@
 The engine's one hook (LLMEngine.__init__) hands over the classes it would use otherwise.
 """
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.models import resolve_model_class
 
 
 def group_classes(config, runner_class: type, scheduler_class: type) -> tuple[type, type, object]:
-    kinds = set(config.hf_config.layer_types)
+    if getattr(resolve_model_class(config.hf_config), "takes_images", False):
+        from nanovllm.features.multimodal import multimodal_classes
+        return (*multimodal_classes(config, runner_class, scheduler_class), BlockManager)
+    kinds = set(getattr(config.hf_config, "layer_types", None) or ())
     if "linear_attention" in kinds:
         from nanovllm.features.state_cache import state_cache_classes
         return state_cache_classes(config)

@@ -124,6 +124,7 @@ class Gemma3TextModel(nn.Module):
 class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3's text model (google/gemma-3-1b-it; Gemma3TextConfig). Pipeline parallelism is not
     wired in (Gemma3TextModel refuses a stage's share of the layers)."""
+    engine_layers = True  # (its layers are of several kinds: features/layer_groups.py)
 
     @classmethod
     def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):

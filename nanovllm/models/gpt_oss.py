@@ -201,6 +201,7 @@ class GptOssModel(DecoderModel):
 
 class GptOssForCausalLM(DecoderForCausalLM):
     """gpt-oss (GptOssConfig), its checkpoints MXFP4 (quant_method "mxfp4") or unquantized."""
+    engine_layers = True  # (its layers are of several kinds: features/layer_groups.py)
 
     @classmethod
     def check_config(cls, config: PretrainedConfig, max_model_len: int | None = None):

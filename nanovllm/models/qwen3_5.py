@@ -142,6 +142,7 @@ class Qwen3_5TextModel(nn.Module):
 class Qwen3_5ForCausalLM(nn.Module):
     """Qwen3.5's text model (Qwen3_5TextConfig). Pipeline parallelism and speculative decoding are
     not wired in (refused at start-up)."""
+    engine_layers = True  # (its layers are of several kinds: features/layer_groups.py)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

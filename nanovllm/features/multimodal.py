@@ -1,0 +1,291 @@
+"""Image input (issue 49): what the engine adds for a model that takes images (Qwen2.5-VL,
+models/qwen2_5_vl.py). A request brings its images beside its prompt, the vLLM way:
+
+    llm.generate([{"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is this?",
+                   "multi_modal_data": {"image": pil_image}}], params)
+
+(or "prompt_token_ids"; "image" one image or a list: PIL images, numpy arrays, tensors). The path:
+
+  request      the model's own Hugging Face image processor turns each image into patches and
+               their grid; each placeholder token (one per image, in order) is expanded into the
+               image's number of tokens (its merged grid's size); the prompt's three M-RoPE
+               positions per token are computed once (mrope_positions), and its position delta
+               (after the last image, positions run behind token indices by it)
+  prefix cache a MultimodalSequence's block tokens have each placeholder token replaced by its
+               image's key (a 63-bit xxh64 of its patches and grid, negated: never a token id), so
+               the chained block hashes, and the tokens a hit verifies, include the images: the same
+               text with another image shares no block, the same image and text hits
+  a step       MultimodalScheduledStep.batch() adds each token's three positions and the image
+               spans its prefill chunks hold; the runner encodes the images it has not encoded yet
+               (the vision tower, all of a step's new images in one call), keeps their embeddings by
+               key until a request has consumed an image's last placeholder (so a chunked prefill
+               over an image encodes it once), and hands the model the step's positions and the
+               embeddings of its placeholder tokens (model.multimodal_step)
+
+Not here yet (the issue's rest): the server's image_url parts and LLM.chat, an encoder budget per
+step, tensor and pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
+model run eagerly: a graph would need the per-request delta in its positions), Qwen3-VL.
+"""
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import torch
+import xxhash
+
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import ScheduledStep, Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_batch import StepBatch
+from nanovllm.models.qwen2_5_vl import MultimodalStep
+from nanovllm.utils.context import to_device
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+ENCODED_IMAGES = 64  # image embeddings kept at most (an aborted request's are dropped least recently used first)
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt: its patches (the processor's), their grid of patches (t, h, w), its
+    placeholder tokens in the prompt (offset, length) and its key."""
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    offset: int
+    length: int
+    key: int
+
+
+class MultimodalPrompt(list):
+    """A prompt's token ids (placeholders expanded), with its images and M-RoPE positions [3, n]
+    and delta; the engine makes it a MultimodalSequence (`sequence_class`)."""
+
+    def __init__(self, ids: list[int], images: list[ImageInput], positions: np.ndarray, delta: int):
+        super().__init__(ids)
+        self.images, self.positions, self.delta = images, positions, delta
+
+    @property
+    def sequence_class(self):
+        return MultimodalSequence
+
+
+class MultimodalSequence(Sequence):
+    """A Sequence whose prompt holds images: their keys in its block tokens, M-RoPE positions."""
+    __slots__ = ("images", "mrope_positions", "mrope_delta")
+
+    def __init__(self, prompt: MultimodalPrompt, *args, **kwargs):
+        super().__init__(prompt, *args, **kwargs)
+        self.images, self.mrope_positions, self.mrope_delta = prompt.images, prompt.positions, prompt.delta
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        start = i * block_size
+        tokens = self.token_ids[start:start + block_size]
+        for image in self.images:
+            first, end = max(start, image.offset), min(start + block_size, image.offset + image.length)
+            if first < end:
+                tokens[first - start:end - start] = [-1 - image.key] * (end - first)
+        return tokens
+
+    def rope_positions(self, start: int, n: int) -> np.ndarray:
+        """[3, n] int64: the M-RoPE positions of tokens start .. start + n - 1."""
+        prompt = self.mrope_positions.shape[1]
+        inside = self.mrope_positions[:, start:min(start + n, prompt)]
+        after = np.arange(max(start, prompt), start + n) + self.mrope_delta
+        return np.concatenate([inside, np.broadcast_to(after, (3, len(after)))], 1)
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class ImageProcessing:
+    """A checkpoint's image side: its image processor, placeholder token and merge size."""
+
+    def __init__(self, model: str):
+        from transformers import AutoConfig, AutoImageProcessor
+        config = AutoConfig.from_pretrained(model)
+        if getattr(config, "vision_config", None) is None:
+            raise ValueError(f"{model!r} takes no images (its config has no vision_config)")
+        self.image_token_id = config.image_token_id
+        self.merge = config.vision_config.spatial_merge_size
+        try:  # (the PIL processor: the torchvision one, or AutoProcessor's video processor, would need torchvision)
+            self.processor = AutoImageProcessor.from_pretrained(model, backend="pil")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load the image processor of {model!r} (preprocessor_config.json): {e}") from e
+
+    def image(self, image, offset: int) -> ImageInput:
+        """One image as patches, or a ValueError saying what is wrong with it."""
+        try:
+            out = self.processor(images=[image], return_tensors="pt")
+        except Exception as e:  # (the processor's own errors: a shape or dtype it cannot read)
+            raise ValueError(f"cannot process the image: {type(e).__name__}: {e}") from e
+        pixels, (grid,) = out["pixel_values"].float(), out["image_grid_thw"].tolist()
+        digest = xxhash.xxh64(pixels.numpy().tobytes())
+        digest.update(np.asarray(grid, dtype=np.int64).tobytes())
+        return ImageInput(pixels, tuple(grid), offset, grid[0] * grid[1] * grid[2] // self.merge ** 2,
+                          digest.intdigest() >> 1)
+
+
+@functools.cache
+def image_processing(model: str) -> ImageProcessing:
+    return ImageProcessing(model)
+
+
+def encode_multimodal(frontend, prompt: dict) -> list[int]:
+    """A dict prompt {"prompt" or "prompt_token_ids", "multi_modal_data": {"image": ...}} as token
+    ids (a MultimodalPrompt when it has images), or a TypeError / ValueError naming the problem."""
+    unknown = sorted(set(prompt) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"a prompt dict takes the keys {list(PROMPT_KEYS)}, got {unknown}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    ids = frontend.encode_prompt(prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"]))
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes {{'image': an image or a list of them}}, got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image")
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    if not images:
+        return ids
+    from PIL import Image
+    for image in images:
+        if not isinstance(image, (Image.Image, np.ndarray, torch.Tensor)):
+            raise TypeError(f"an image must be a PIL image, a numpy array or a tensor, got {type(image).__name__}")
+    return expand_images(image_processing(frontend.config.model), ids, images, frontend.config.max_model_len)
+
+
+def expand_images(processing: ImageProcessing, ids: list[int], images: list, max_model_len: int) -> MultimodalPrompt:
+    """ids with each placeholder token (one per image) expanded into its image's tokens."""
+    places = [i for i, t in enumerate(ids) if t == processing.image_token_id]
+    if len(places) != len(images):
+        raise ValueError(f"the prompt has {len(places)} image placeholder tokens (id {processing.image_token_id}) "
+                         f"for {len(images)} images: put one where each image goes, in order")
+    expanded, inputs, last = [], [], 0
+    for place, image in zip(places, images):
+        expanded += ids[last:place]
+        item = processing.image(image, len(expanded))
+        expanded += [processing.image_token_id] * item.length
+        inputs.append(item)
+        last = place + 1
+    expanded += ids[last:]
+    if len(expanded) >= max_model_len:
+        raise ValueError(f"the prompt has {len(expanded)} tokens with its images' ({sum(i.length for i in inputs)}), "
+                         f"which leaves no room to generate within max_model_len={max_model_len}")
+    positions = mrope_positions(len(expanded), inputs, processing.merge)
+    return MultimodalPrompt(expanded, inputs, positions, int(positions.max()) + 1 - len(expanded))
+
+
+def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int) -> np.ndarray:
+    """[3, num_tokens] int64, as transformers' get_rope_index for images: text tokens count on in
+    all three grids; an image's tokens sit at (start, start + row, start + column) of its merged
+    grid, and the text after it starts at start + max(rows, columns)."""
+    pieces, position, cursor = [], 0, 0
+    for image in images:
+        text = image.offset - cursor
+        pieces.append(np.broadcast_to(np.arange(position, position + text), (3, text)))
+        position += text
+        t, h, w = image.grid_thw[0], image.grid_thw[1] // merge, image.grid_thw[2] // merge
+        grids = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        pieces.append(np.stack(grids).reshape(3, -1) + position)
+        position += max(h, w)
+        cursor = image.offset + image.length
+    pieces.append(np.broadcast_to(np.arange(position, position + num_tokens - cursor), (3, num_tokens - cursor)))
+    return np.concatenate(pieces, 1).astype(np.int64)
+
+
+# ---- steps -------------------------------------------------------------------------------------
+def multimodal_classes(config, runner_class, scheduler_class) -> tuple[type, type]:
+    """The runner and scheduler of a model that takes images, or a ValueError for an option they
+    do not support yet."""
+    if runner_class is not ModelRunner or scheduler_class is not Scheduler:
+        raise ValueError("image input is not supported yet with speculative decoding, pipeline parallelism or "
+                         "layers of other kinds")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("image input is not supported yet with tensor_parallel_size > 1")
+    return MultimodalRunner, MultimodalScheduler
+
+
+@dataclass
+class MultimodalStepBatch(StepBatch):
+    """A step's message, with its M-RoPE positions [3, T] (None: no sequence with images) and the
+    image spans of its prefill chunks: (flat index of the first token, image, its first token, n)."""
+    rope_positions: np.ndarray | None = None
+    image_spans: list[tuple[int, ImageInput, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class MultimodalScheduledStep(ScheduledStep):
+    def batch(self) -> MultimodalStepBatch:
+        plain = super().batch()
+        batch = MultimodalStepBatch(**{f.name: getattr(plain, f.name) for f in fields(StepBatch)})
+        if not any(isinstance(seq, MultimodalSequence) for seq in self.seqs):
+            return batch  # (text alone: the plain positions are M-RoPE's)
+        positions, flat = [], 0
+        for seq, start, n in zip(self.seqs, self.starts, self.num_new):
+            if not isinstance(seq, MultimodalSequence):
+                positions.append(np.broadcast_to(np.arange(start, start + n), (3, n)))
+            else:
+                positions.append(seq.rope_positions(start, n))
+                for image in seq.images:
+                    first, end = max(start, image.offset), min(start + n, image.offset + image.length)
+                    if first < end:
+                        batch.image_spans.append((flat + first - start, image, first - image.offset, end - first))
+            flat += n
+        batch.rope_positions = np.concatenate(positions, 1)
+        return batch
+
+
+class MultimodalScheduler(Scheduler):
+    Step = MultimodalScheduledStep
+
+
+class MultimodalRunner(ModelRunner):
+    """The model runner, with the vision tower built and each step's images encoded and handed to the model.
+
+    encoded  {image key: its embeddings [tokens, hidden]} until a step consumes its last token"""
+
+    def __init__(self, *args, **kwargs):
+        self.encoded: OrderedDict[int, torch.Tensor] = OrderedDict()
+        super().__init__(*args, **kwargs)
+
+    def _build_model(self, model_class: type):
+        from transformers import AutoConfig
+        vision_config = AutoConfig.from_pretrained(self.config.model).vision_config
+        return super()._build_model(lambda config, max_position: model_class(config, max_position, vision_config))
+
+    def _capture(self, config):
+        self.use_graphs = False  # (see the module's docstring: the delta is not in a graph's positions)
+        super()._capture(config)
+
+    def prepare(self, batch: MultimodalStepBatch, graphs):
+        inputs = super().prepare(batch, graphs)
+        if inputs is None:
+            return None
+        step = None
+        if batch.rope_positions is not None:
+            step = MultimodalStep(to_device(np.ascontiguousarray(batch.rope_positions), self.device))
+            if batch.image_spans:
+                step.embeddings, step.slots = self._image_embeddings(batch.image_spans)
+        self.model.multimodal_step = step
+        return inputs
+
+    def _image_embeddings(self, spans) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embeddings of the spans' tokens and their flat indices, encoding the images not kept yet."""
+        new = list({image.key: image for _, image, _, _ in spans if image.key not in self.encoded}.values())
+        if new:
+            grids = torch.tensor([image.grid_thw for image in new], device=self.device)
+            pixels = torch.cat([image.pixel_values for image in new]).to(self.device)
+            with torch.inference_mode():
+                out = self.model.encode_images(pixels, grids)
+            for image, embeddings in zip(new, out.split([image.length for image in new])):
+                self.encoded[image.key] = embeddings
+        embeddings, slots, consumed = [], [], set()
+        for flat, image, first, n in spans:
+            self.encoded.move_to_end(image.key)
+            embeddings.append(self.encoded[image.key][first:first + n])
+            slots.append(np.arange(flat, flat + n))
+            if first + n == image.length:  # (its last token: the request has consumed it)
+                consumed.add(image.key)
+        for key in consumed:
+            del self.encoded[key]
+        while len(self.encoded) > ENCODED_IMAGES:
+            self.encoded.popitem(last=False)
+        return torch.cat(embeddings), to_device(np.concatenate(slots), self.device)

@@ -1,0 +1,95 @@
+"""Qwen2.5-VL: a vision encoder (models/qwen2_5_vl_vision.py) whose image embeddings take the place
+of the prompt's image placeholder tokens, and a Qwen2 text decoder with multimodal RoPE.
+
+Multimodal RoPE (M-RoPE): each token has three positions (temporal, height, width) and the head's
+rotary frequencies are split into three sections (`mrope_section`, e.g. 16, 24, 24 of 64), each
+rotated by one of them. A text token's three positions are equal, so it is plain RoPE there; an
+image's tokens take the position of the image's start in time and their row and column of the
+merged patch grid in height and width (features/multimodal.py computes them for a prompt). After an
+image the text positions continue from the largest position it used, so a sequence's position is
+its token index plus a per-request delta (negative for a large image).
+
+The checkpoints are transformers' Qwen2_5_VLForConditionalGeneration: the text model under
+model.language_model.*, the vision tower under model.visual.*, lm_head.* (older ones: model.*
+and visual.*). features/multimodal.py's runner sets `multimodal_step` before each forward: the
+step's three positions per token and the image embeddings of its placeholder tokens.
+"""
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
+from nanovllm.layers.transformer import head_dim_of
+from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.utils.parallel import HeldElsewhere
+
+
+@dataclass
+class MultimodalStep:
+    """A step's image inputs, on the model's device: positions [3, T] (M-RoPE's, every token of the
+    step), and the embeddings [K, hidden] of its K placeholder tokens, at `slots` [K] of the flat step."""
+    positions: torch.Tensor
+    embeddings: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """RoPE over positions [3, T]: frequency i rotated by the position of section i's grid (the
+    tables are RotaryEmbedding's); positions [T] (a text-only step) are plain RoPE."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        super().__init__(head_dim, max_position, {k: v for k, v in params.items() if k != "mrope_section"})
+        sections = params.get("mrope_section") or [head_dim // 2]
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section={sections} must add up to head_dim / 2 = {head_dim // 2}")
+        # [d/2]: which of the three grids each frequency reads (0, 0, .., 1, 1, .., 2, 2, ..)
+        self.register_buffer("grid_of", torch.repeat_interleave(torch.arange(len(sections)) % 3,
+                                                                torch.tensor(sections)), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k, q_norm, k_norm)
+        frequencies = torch.arange(self.grid_of.numel(), device=positions.device)
+        rows = positions[self.grid_of].t()                                # [T, d/2]: each frequency's position
+        cos, sin = self.cos[rows, frequencies].unsqueeze(1), self.sin[rows, frequencies].unsqueeze(1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
+    """config: the text config (Config reads text_config); vision_config: the checkpoint's, from the
+    multimodal runner (None: the text model alone, and the vision weights skipped)."""
+    engine_layers = takes_images = True  # (the engine runs it with features/multimodal.py's runner and scheduler)
+
+    def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
+        super().__init__(config, max_position)
+        rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
+        for layer in self.model.layers:
+            if not isinstance(layer, HeldElsewhere):
+                layer.self_attn.rotary_emb = rotary
+        if vision_config is not None:
+            from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
+            self.visual = Qwen2_5VisionTower(vision_config)
+        else:
+            self.visual = HeldElsewhere()  # (where the loader drops the tower's tensors)
+        self.multimodal_step: MultimodalStep | None = None
+
+    def checkpoint_target(self, name: str) -> tuple[str | None, object]:
+        if name.startswith(("model.visual.", "visual.")):  # (the tower's names are its own: not packed)
+            return "visual." + name.split("visual.", 1)[1], None
+        return super().checkpoint_target(name.replace("model.language_model.", "model.", 1))
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[patches, C*T*P*P], [images, 3] -> the images' embeddings [tokens, hidden], in order."""
+        return self.visual(pixel_values.to(self.model.embed_tokens.weight.dtype), grid_thw)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual, step = self.model.embed_tokens(input_ids), None, self.multimodal_step
+        if step is not None:
+            positions = step.positions
+            if step.slots is not None:
+                hidden[step.slots] = step.embeddings.to(hidden.dtype)
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden

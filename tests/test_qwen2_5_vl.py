@@ -1,0 +1,140 @@
+"""Qwen2.5-VL with images (models/qwen2_5_vl.py, features/multimodal.py): a tiny random
+Qwen2_5_VLForConditionalGeneration built with transformers, its PIL image processor beside it,
+equals Hugging Face greedy token for token (float32, CPU) for text alone, one image, an image of
+another size, two images in a prompt, and a chunked prefill that splits an image's tokens; images
+are in the prefix-cache keys (two images with the same text share no block, the same image hits);
+preemption recomputes; bad input is refused by name."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+from hf_reference import save_multimodal_model
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+IMAGE, START, END = 500, 501, 502  # the placeholder, <|vision_start|>, <|vision_end|>
+PATCH, MERGE = 4, 2
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
+              temporal_patch_size=2, spatial_merge_size=MERGE, window_size=16, fullatt_block_indexes=[1])
+TEXT = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """(folder, the HF model in memory, its image processor)."""
+    path = str(tmp_path_factory.mktemp("qwen2_5_vl"))
+    model = save_multimodal_model(path, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, TEXT,
+                                  vision_config=VISION, image_token_id=IMAGE, vision_start_token_id=START,
+                                  vision_end_token_id=END)
+    processor = Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=2, merge_size=MERGE,
+                                         min_pixels=8 * 8 * 16, max_pixels=48 * 48 * 16)
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def prompt_with(images: list, text: list[int]) -> list[int]:
+    """One <|vision_start|><|image_pad|><|vision_end|> per image, then the text."""
+    return [7, 8] + [START, IMAGE, END] * len(images) + text
+
+
+@torch.inference_mode()
+def hf_answer(vl, prompt: list[int], images: list, n: int = GREEDY.max_tokens) -> list[int]:
+    """HF's greedy completion: the placeholders expanded by the image processor's grids, HF's own M-RoPE."""
+    _, model, processor = vl
+    ids, kwargs = list(prompt), {}
+    if images:
+        out = processor(images=images, return_tensors="pt")
+        expanded, grids = [], iter(out["image_grid_thw"].tolist())
+        for t in ids:
+            expanded += [IMAGE] * (np.prod(next(grids)) // MERGE ** 2) if t == IMAGE else [t]
+        ids = expanded
+        kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                      mm_token_type_ids=(torch.tensor([ids]) == IMAGE).int())
+    tensor = torch.tensor([ids])
+    out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def request(prompt, images):
+    return {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}
+
+
+def test_text_and_images_match_hf(vl):
+    """Text alone; one image; one of another size (not a multiple of the attention window); two in one prompt."""
+    small, wide, tall = picture(32, 32, 0), picture(56, 40, 1), picture(24, 48, 2)
+    cases = [([], list(range(20, 60))), ([small], [30, 31, 32]), ([wide], [40, 41]), ([small, tall], [50, 51, 52])]
+    with LLM(vl[0], max_model_len=256) as llm:
+        outputs = llm.generate([request(prompt_with(images, text), images) for images, text in cases], GREEDY,
+                               use_tqdm=False)
+        for (images, text), out in zip(cases, outputs):
+            assert out["token_ids"] == hf_answer(vl, prompt_with(images, text), images), f"{len(images)} images"
+
+
+def test_a_chunked_prefill_splits_an_image_and_encodes_it_once(vl, monkeypatch):
+    """16-token steps over an image of 36 tokens: its tokens come in three chunks, from one encoding."""
+    from nanovllm.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Ours
+    calls = []
+    encode = Ours.encode_images
+    monkeypatch.setattr(Ours, "encode_images", lambda self, pixels, grids: calls.append(len(grids))
+                        or encode(self, pixels, grids))
+    image = picture(48, 48, 3)
+    prompt = prompt_with([image], [9, 10, 11])
+    with LLM(vl[0], max_model_len=256, max_num_batched_tokens=16, kvcache_block_size=16) as llm:
+        out = llm.generate([request(prompt, [image])], GREEDY, use_tqdm=False)[0]
+        assert llm.model_runner.encoded == {}  # (consumed: nothing kept)
+    assert out["token_ids"] == hf_answer(vl, prompt, [image])
+    assert calls == [1]
+
+
+def test_images_are_in_the_prefix_cache_keys(vl):
+    """The same text with two different images shares no block (each gets its own HF answer); the
+    same image and text again reports cached tokens and the same answer."""
+    first, second = picture(48, 48, 4), picture(48, 48, 5)
+    prompt = prompt_with([first], [12, 13, 14])
+    with LLM(vl[0], max_model_len=256, kvcache_block_size=16) as llm:
+        a = llm.generate([request(prompt, [first])], GREEDY, use_tqdm=False)[0]
+        b = llm.generate([request(prompt, [second])], GREEDY, use_tqdm=False)[0]
+        again = llm.generate([request(prompt, [first])], GREEDY, use_tqdm=False)[0]
+    assert a["token_ids"] == hf_answer(vl, prompt, [first]) and b["token_ids"] == hf_answer(vl, prompt, [second])
+    assert a["token_ids"] != b["token_ids"] and b["num_cached_tokens"] == 0
+    assert again["num_cached_tokens"] == 32 and again["token_ids"] == a["token_ids"]
+
+
+def test_preemption_recomputes_images_and_leaks_nothing(vl):
+    """Four image prompts of 30 tokens (4 blocks of 8) under 12 KV blocks: three are admitted, and
+    each needs more blocks as it decodes."""
+    images = [picture(32, 32, 10 + i) for i in range(4)]
+    prompts = [prompt_with([image], [60 + i] * 10) for i, image in enumerate(images)]  # 16 image tokens + 14
+    with LLM(vl[0], max_model_len=96, kvcache_block_size=8, num_kvcache_blocks=12, max_num_seqs=4) as llm:
+        outputs = llm.generate([request(p, [i]) for p, i in zip(prompts, images)], GREEDY, use_tqdm=False)
+        stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    for prompt, image, out in zip(prompts, images, outputs):
+        assert out["token_ids"] == hf_answer(vl, prompt, [image])
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": [1, IMAGE], "multi_modal_data": {"image": []}}, None),  # no image: a text prompt
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": "x.png"}}, "a PIL image, a numpy array or a tensor"),
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": [picture(32, 32, 0)]}}, "0 image placeholder"),
+    ({"prompt_token_ids": [1, IMAGE], "multi_modal_data": {"video": [1]}}, "multi_modal_data takes"),
+    ({"prompt_token_ids": [1], "prompt": "a"}, "exactly one of"),
+    ({"prompt_token_ids": [1], "images": []}, "a prompt dict takes the keys"),
+])
+def test_bad_image_requests_are_refused_by_name(vl, prompt, match):
+    with LLM(vl[0], max_model_len=128) as llm:
+        if match is None:
+            assert llm.generate([prompt], GREEDY, use_tqdm=False)[0]["token_ids"]
+            return
+        with pytest.raises((TypeError, ValueError), match=match):
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
