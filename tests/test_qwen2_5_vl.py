@@ -121,6 +121,18 @@ def test_preemption_recomputes_images_and_leaks_nothing(vl):
         assert out["token_ids"] == hf_answer(vl, prompt, [image])
 
 
+def test_tensor_parallel_ranks_encode_their_images_and_match_hf(vl):
+    """TP=2 over gloo: the text model split, the tower whole on each rank, the patches in the step's message."""
+    small, tall = picture(32, 32, 20), picture(24, 48, 21)
+    cases = [([small], [30, 31, 32]), ([small, tall], [50, 51])]
+    with LLM(vl[0], tensor_parallel_size=2, max_model_len=256, max_num_batched_tokens=32,
+             kvcache_block_size=16) as llm:
+        outputs = llm.generate([request(prompt_with(images, text), images) for images, text in cases], GREEDY,
+                               use_tqdm=False)
+    for (images, text), out in zip(cases, outputs):
+        assert out["token_ids"] == hf_answer(vl, prompt_with(images, text), images)
+
+
 @pytest.mark.parametrize("prompt, match", [
     ({"prompt_token_ids": [1, IMAGE], "multi_modal_data": {"image": []}}, None),  # no image: a text prompt
     ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": "x.png"}}, "a PIL image, a numpy array or a tensor"),

@@ -22,8 +22,11 @@ models/qwen2_5_vl.py). A request brings its images beside its prompt, the vLLM w
                over an image encodes it once), and hands the model the step's positions and the
                embeddings of its placeholder tokens (model.multimodal_step)
 
+Tensor parallelism: every rank holds the whole vision tower and encodes a step's images itself
+(the step's message carries their patches); the text decoder is split as always.
+
 Not here yet (the issue's rest): the server's image_url parts and LLM.chat, an encoder budget per
-step, tensor and pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
+step, pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
 model run eagerly: a graph would need the per-request delta in its positions), Qwen3-VL.
 """
 import functools
@@ -193,13 +196,11 @@ def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int) -> np
 
 # ---- steps -------------------------------------------------------------------------------------
 def multimodal_classes(config, runner_class, scheduler_class) -> tuple[type, type]:
-    """The runner and scheduler of a model that takes images, or a ValueError for an option they
-    do not support yet."""
+    """The runner and scheduler of a model that takes images (tensor-parallel ranks too), or a
+    ValueError for an option they do not support yet."""
     if runner_class is not ModelRunner or scheduler_class is not Scheduler:
         raise ValueError("image input is not supported yet with speculative decoding, pipeline parallelism or "
                          "layers of other kinds")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("image input is not supported yet with tensor_parallel_size > 1")
     return MultimodalRunner, MultimodalScheduler
 
 
