@@ -9,3 +9,8 @@ class LLM(LLMEngine):
 
     def __init__(self, model: str, **options):
         super().__init__(Config.from_options(model, options))
+
+    def chat(self, messages: list[dict], sampling_params, use_tqdm: bool = True) -> dict:
+        """One conversation's completion: OpenAI-style messages (images in content parts) through the chat template."""
+        from nanovllm.features.chat_template import chat_prompt  # (chat's: loaded when used)
+        return self.generate([chat_prompt(self, messages)], sampling_params, use_tqdm)[0]

@@ -4,6 +4,10 @@ equals Hugging Face greedy token for token (float32, CPU) for text alone, one im
 another size, two images in a prompt, and a chunked prefill that splits an image's tokens; images
 are in the prefix-cache keys (two images with the same text share no block, the same image hits);
 preemption recomputes; bad input is refused by name."""
+import base64
+import io
+
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -12,6 +16,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 
 from hf_reference import save_multimodal_model
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.tiny_model import build_tokenizer
+from serving import KEY, Server, error_of, http, openai_client
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 IMAGE, START, END = 500, 501, 502  # the placeholder, <|vision_start|>, <|vision_end|>
@@ -34,6 +40,53 @@ def vl(tmp_path_factory):
     return path, model, processor
 
 
+# The Qwen2.5-VL chat template's shape: ChatML turns, an image part as its placeholder.
+VL_TEMPLATE = ("{%- for m in messages -%}<|im_start|>{{ m.role }}\n{%- if m.content is string -%}{{ m.content }}"
+               "{%- else -%}{%- for part in m.content -%}{%- if part.type == 'image' -%}"
+               "<|vision_start|><|image_pad|><|vision_end|>{%- elif part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+               "{%- endfor -%}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+               "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+VL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+
+
+def vl_tokenizer(path: str):
+    """The tiny tokenizer with the vision tokens and VL_TEMPLATE, saved at path (the same ids each time)."""
+    tokenizer = build_tokenizer(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": VL_TOKENS})
+    tokenizer.chat_template = VL_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def vl_chat(tmp_path_factory):
+    """vl's model with a tokenizer that has the vision tokens and a chat template: (folder, HF model,
+    image processor, tokenizer)."""
+    path = str(tmp_path_factory.mktemp("qwen2_5_vl_chat"))
+    start, image, end = vl_tokenizer(path).convert_tokens_to_ids(VL_TOKENS)
+    model = save_multimodal_model(path, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, TEXT,
+                                  vision_config=VISION, image_token_id=image, vision_start_token_id=start,
+                                  vision_end_token_id=end)
+    tokenizer = vl_tokenizer(path)  # (save_multimodal_model wrote the plain one)
+    assert tokenizer.convert_tokens_to_ids(VL_TOKENS) == [start, image, end]
+    processor = Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=2, merge_size=MERGE,
+                                         min_pixels=8 * 8 * 16, max_pixels=48 * 48 * 16)
+    processor.save_pretrained(path)
+    return path, model, processor, tokenizer
+
+
+def data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat_messages(url: str) -> list[dict]:
+    return [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is in it?"}]}]
+
+
 def picture(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
@@ -47,16 +100,17 @@ def prompt_with(images: list, text: list[int]) -> list[int]:
 @torch.inference_mode()
 def hf_answer(vl, prompt: list[int], images: list, n: int = GREEDY.max_tokens) -> list[int]:
     """HF's greedy completion: the placeholders expanded by the image processor's grids, HF's own M-RoPE."""
-    _, model, processor = vl
+    _, model, processor = vl[:3]
+    image_id = model.config.image_token_id
     ids, kwargs = list(prompt), {}
     if images:
         out = processor(images=images, return_tensors="pt")
         expanded, grids = [], iter(out["image_grid_thw"].tolist())
         for t in ids:
-            expanded += [IMAGE] * (np.prod(next(grids)) // MERGE ** 2) if t == IMAGE else [t]
+            expanded += [image_id] * (np.prod(next(grids)) // MERGE ** 2) if t == image_id else [t]
         ids = expanded
         kwargs = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
-                      mm_token_type_ids=(torch.tensor([ids]) == IMAGE).int())
+                      mm_token_type_ids=(torch.tensor([ids]) == image_id).int())
     tensor = torch.tensor([ids])
     out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0, **kwargs)
@@ -150,3 +204,50 @@ def test_bad_image_requests_are_refused_by_name(vl, prompt, match):
             llm.generate([prompt], GREEDY, use_tqdm=False)
         stats = llm.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_chat_with_a_data_url_equals_generate_and_hf(vl_chat):
+    """LLM.chat: the image_url part decoded (a PNG data URL: lossless), rendered as the template's
+    placeholder; equal to generate() of the template's ids with the image, to an image given offline
+    ({"type": "image", "image": ...}), and to HF. An http(s) URL is refused offline."""
+    path, _, _, tokenizer = vl_chat
+    image = picture(40, 32, 30)
+    template = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in it?"}]}]
+    ids = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with LLM(path, max_model_len=256) as llm:
+        chat = llm.chat(chat_messages(data_url(image)), GREEDY, use_tqdm=False)
+        plain = llm.generate([request(ids, [image])], GREEDY, use_tqdm=False)[0]
+        offline = llm.chat([template[0], {"role": "user", "content": [{"type": "image", "image": image},
+                                                                      template[1]["content"][1]]}], GREEDY, use_tqdm=False)
+    assert chat["token_ids"] == plain["token_ids"] == offline["token_ids"] == hf_answer(vl_chat, ids, [image])
+    with pytest.raises(ValueError, match="image URLs over http"), LLM(path, max_model_len=256) as llm:
+        llm.chat(chat_messages("https://example.com/cat.png"), GREEDY)
+
+
+def test_the_server_takes_image_url_parts_and_refuses_bad_images(vl_chat, tmp_path):
+    """/v1/chat/completions through the official openai client: the same text as LLM.chat. Each bad
+    image a 400 saying what is wrong, the server serving after them (the same answer), nothing left running."""
+    path = vl_chat[0]
+    image = picture(40, 32, 31)
+    with LLM(path, max_model_len=256) as llm:
+        expected = llm.chat(chat_messages(data_url(image)), GREEDY, use_tqdm=False)["text"]
+    server = Server(path, tmp_path / "server.log", "--api-key", KEY, max_model_len=256)
+    try:
+        client = openai_client(server)
+        reply = client.chat.completions.create(model=path, messages=chat_messages(data_url(image)), max_tokens=12,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == expected
+        for url, words in (("data:image/png;base64,AAAA", "cannot be decoded"), ("data:image/png;base64,@@", "base64"),
+                           ("data:text/plain;base64,AAAA", "data URL of an image"),
+                           ("http://127.0.0.1:9/x.png", "not fetched here")):
+            body = {"model": path, "messages": chat_messages(url), "max_tokens": 4}
+            assert words in error_of(http(server, "POST", "/v1/chat/completions", json=body), 400)["message"]
+        assert httpx.get(server.url + "/health").status_code == 200
+        again = client.chat.completions.create(model=path, messages=chat_messages(data_url(image)), max_tokens=12,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        assert again.choices[0].message.content == expected
+        metrics = server.metrics()
+        assert metrics.get("nanovllm:num_requests_running", 0) == 0
+    finally:
+        assert server.stop() == 0, server.log()

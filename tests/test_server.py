@@ -260,7 +260,10 @@ def test_invalid_chat_requests(server):
     for body, words in (({"messages": []}, "messages"),
                         ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
                         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text")):
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'url'"),
+                        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "text or image_url"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                            "url": "data:image/png;base64,AAAA"}}]}]}, "takes no images")):
         error = error_of(http(server, "POST", "/v1/chat/completions", json=body), 400)
         assert words in error["message"]
 

@@ -159,8 +159,9 @@ class AsyncFront:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, self._encode, prompt)
 
     def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, ChatPrompt):
-            prompt = self.llm.render_chat(prompt.messages, prompt.tools, prompt.template_kwargs)
+        if isinstance(prompt, ChatPrompt):  # (token ids, or a dict prompt with the images its parts hold)
+            from nanovllm.features.chat_template import chat_prompt
+            prompt = chat_prompt(self.llm, prompt.messages, prompt.tools, prompt.template_kwargs)
         return self.llm.encode_prompt(prompt)
 
     async def submit(self, prompt, params: SamplingParams, stream: bool = False) -> Request:

@@ -297,9 +297,16 @@ class ChatMessage(BaseModel):
                     pass  # (left as the text it is)
         if isinstance(self.content, list):
             for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"only text content parts are supported, got {part.get('type')!r}", "messages")
-            message["content"] = "".join(part["text"] for part in self.content)
+                if part.get("type") == "image_url":  # (decoded with the prompt: features/multimodal.py)
+                    if not isinstance(part.get("image_url"), dict) or not isinstance(part["image_url"].get("url"), str):
+                        raise BadRequest("an image_url content part needs {'url': a string}", "messages")
+                    if set(part["image_url"]) - {"url", "detail"} or set(part) - {"type", "image_url"}:
+                        raise BadRequest(f"an image_url content part takes {{'type', 'image_url': {{'url', 'detail'}}}}, "
+                                         f"got {part}", "messages")
+                elif part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"content parts must be text or image_url, got {part.get('type')!r}", "messages")
+            if all(part["type"] == "text" for part in self.content):  # (text alone: one string, as every template takes)
+                message["content"] = "".join(part["text"] for part in self.content)
         return message
 
 

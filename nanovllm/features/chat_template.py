@@ -1,4 +1,5 @@
-"""Chat: messages rendered through the tokenizer's chat template (LLMEngine.render_chat), and the
+"""Chat: messages rendered through the tokenizer's chat template (LLMEngine.render_chat; chat_prompt,
+LLM.chat's and the server's, with the images of their content parts), and the
 check of the template variables a request may set (chat_template_kwargs). Loaded at the first
 chat request."""
 import functools
@@ -26,6 +27,24 @@ def render_chat(tokenizer, model: str, messages: list[dict], tools: list[dict] |
                                              **(template_kwargs or {}))
     except Exception as e:  # jinja2's TemplateError, or a template that raises on these messages
         raise ValueError(f"the chat template cannot render these messages: {e}") from e
+
+
+def chat_prompt(frontend, messages: list[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None):
+    """A conversation as a prompt the engine takes: its token ids, or, when its content parts hold
+    images (features/multimodal.py reads them), a dict prompt of the ids and the images."""
+    images = []
+    if has_images(messages):
+        from nanovllm.features.multimodal import chat_images  # (image input's layer: loaded when a chat has images)
+        messages, images = chat_images(frontend, messages)
+    ids = frontend.render_chat(messages, tools, template_kwargs)
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+
+
+def has_images(messages: list[dict]) -> bool:
+    """Whether a message's content parts include an image (OpenAI's image_url, or an image given offline)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") in ("image_url", "image") for p in m["content"]) for m in messages)
 
 
 def check_template_kwargs(tokenizer, model: str, template_kwargs: dict):

@@ -29,7 +29,10 @@ Not here yet (the issue's rest): the server's image_url parts and LLM.chat, an e
 step, pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
 model run eagerly: a graph would need the per-request delta in its positions), Qwen3-VL.
 """
+import base64
+import binascii
 import functools
+import io
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
@@ -192,6 +195,66 @@ def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int) -> np
         cursor = image.offset + image.length
     pieces.append(np.broadcast_to(np.arange(position, position + num_tokens - cursor), (3, num_tokens - cursor)))
     return np.concatenate(pieces, 1).astype(np.int64)
+
+
+# ---- chat messages -----------------------------------------------------------------------------
+def chat_images(frontend, messages: list[dict]) -> tuple[list[dict], list]:
+    """OpenAI-style messages whose content parts may hold images ({"type": "image_url", "image_url":
+    {"url": a data URL}}, or {"type": "image", "image": an image} offline) -> the messages as a chat
+    template takes them (each image part {"type": "image"}, which the Qwen-VL templates render as
+    the image's placeholder), and the images in order. A ValueError names a bad part, or a model
+    that takes no images (before any is decoded)."""
+    image_processing(frontend.config.model)
+    rendered, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                images.append(image_from_url(url, f"messages[{i}].content[{j}]"))
+            elif kind == "image":
+                images.append(part.get("image"))
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "image"})
+        rendered.append({**message, "content": parts})
+    return rendered, images
+
+
+def image_from_url(url, where: str):
+    """A data URL's image (data:image/...;base64,...) as a PIL image, or a ValueError saying what is wrong."""
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: an image_url part needs {{'url': a string}}")
+    if url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: image URLs over http(s) are not fetched here; send the image as a data URL "
+                         f"(data:image/png;base64,...)")
+    header, comma, data = url.partition(",")
+    if not (url.startswith("data:image/") and comma and header.endswith(";base64")):
+        raise ValueError(f"{where}: an image URL must be a base64 data URL of an image (data:image/...;base64,...), "
+                         f"got one starting {url[:40]!r}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{where}: the data URL's base64 is not valid: {e}") from e
+    return decode_image(raw, where)
+
+
+def decode_image(raw: bytes, where: str):
+    """Image bytes as an RGB PIL image, or a ValueError: not an image Pillow reads, or too many pixels."""
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            return image.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{where}: the image has too many pixels: {e}") from e
+    except (OSError, ValueError, SyntaxError) as e:  # (UnidentifiedImageError is an OSError)
+        raise ValueError(f"{where}: the image cannot be decoded: {e}") from e
 
 
 # ---- steps -------------------------------------------------------------------------------------
