@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                               help="refuse a larger body with 413, before parsing it (default: 8 MiB, room "
                                    "for a 128k-token context as JSON token ids)")
+    serve_parser.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                              help="fetch image_url parts over http(s) from these hosts (and hosts under them); "
+                                   "default: none, data URLs only")
+    serve_parser.add_argument("--max-image-bytes", type=int, default=5 * 2**20,
+                              help="refuse a larger image (fetched or in a data URL) with 400 (default: 5 MiB)")
+    serve_parser.add_argument("--image-fetch-timeout", type=float, default=5.0, metavar="SECONDS",
+                              help="the most one image's fetch may take (default: 5 s)")
     serve_parser.add_argument("--no-metrics", action="store_true", help="no Prometheus /metrics endpoint")
     serve_parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                               help="the level of nanovllm's log (on stderr) and of uvicorn's")
@@ -96,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         if args.data_parallel_size > 1 and args.nnodes > 1:
             raise SystemExit("nanovllm serve: --data-parallel-size > 1 runs on one node; --nnodes > 1 is for "
                              "tensor or pipeline parallelism over nodes")
+        if args.max_image_bytes < 1 or args.image_fetch_timeout <= 0:
+            raise SystemExit("nanovllm serve: --max-image-bytes must be >= 1 and --image-fetch-timeout > 0")
         if args.max_request_bytes < 1:
             raise SystemExit(f"nanovllm serve: --max-request-bytes must be >= 1, got {args.max_request_bytes}")
         try:  # imported here, not at the top: the server needs the optional `serve` extra (FastAPI, uvicorn)

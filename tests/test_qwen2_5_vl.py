@@ -6,6 +6,8 @@ are in the prefix-cache keys (two images with the same text share no block, the 
 preemption recomputes; bad input is refused by name."""
 import base64
 import io
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import numpy as np
@@ -225,29 +227,62 @@ def test_chat_with_a_data_url_equals_generate_and_hf(vl_chat):
         llm.chat(chat_messages("https://example.com/cat.png"), GREEDY)
 
 
+class ImageFiles(BaseHTTPRequestHandler):
+    """A local HTTP server's images: /cat.png, /big.png (past the server's --max-image-bytes), a 302, a 404."""
+    files: dict[str, bytes] = {}
+
+    def do_GET(self):
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+        elif self.path in self.files:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(self.files[self.path])))
+            self.end_headers()
+            self.wfile.write(self.files[self.path])
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
 def test_the_server_takes_image_url_parts_and_refuses_bad_images(vl_chat, tmp_path):
-    """/v1/chat/completions through the official openai client: the same text as LLM.chat. Each bad
-    image a 400 saying what is wrong, the server serving after them (the same answer), nothing left running."""
+    """/v1/chat/completions through the official openai client, a data URL and an allowed http URL of
+    the same PNG: the same text as LLM.chat. Each bad image a 400 saying what is wrong, the server
+    serving after them (the same answer), nothing left running."""
     path = vl_chat[0]
     image = picture(40, 32, 31)
+    url = data_url(image)
     with LLM(path, max_model_len=256) as llm:
-        expected = llm.chat(chat_messages(data_url(image)), GREEDY, use_tqdm=False)["text"]
-    server = Server(path, tmp_path / "server.log", "--api-key", KEY, max_model_len=256)
+        expected = llm.chat(chat_messages(url), GREEDY, use_tqdm=False)["text"]
+    ImageFiles.files = {"/cat.png": base64.b64decode(url.split(",")[1]), "/big.png": bytes(30000)}
+    files = ThreadingHTTPServer(("127.0.0.1", 0), ImageFiles)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_port}"
+    server = Server(path, tmp_path / "server.log", "--api-key", KEY, "--allowed-media-domains", "127.0.0.1",
+                    "--max-image-bytes", "20000", "--image-fetch-timeout", "2", max_model_len=256)
     try:
         client = openai_client(server)
-        reply = client.chat.completions.create(model=path, messages=chat_messages(data_url(image)), max_tokens=12,
-                                               temperature=0, extra_body={"ignore_eos": True})
-        assert reply.choices[0].message.content == expected
-        for url, words in (("data:image/png;base64,AAAA", "cannot be decoded"), ("data:image/png;base64,@@", "base64"),
-                           ("data:text/plain;base64,AAAA", "data URL of an image"),
-                           ("http://127.0.0.1:9/x.png", "not fetched here")):
-            body = {"model": path, "messages": chat_messages(url), "max_tokens": 4}
-            assert words in error_of(http(server, "POST", "/v1/chat/completions", json=body), 400)["message"]
+        for source in (url, base + "/cat.png"):
+            reply = client.chat.completions.create(model=path, messages=chat_messages(source), max_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+            assert reply.choices[0].message.content == expected, source[:30]
+        big = "data:image/png;base64," + base64.b64encode(bytes(30000)).decode()
+        for source, words in (("data:image/png;base64,AAAA", "cannot be decoded"), ("data:image/png;base64,@@", "base64"),
+                              ("data:text/plain;base64,AAAA", "data URL of an image"), (big, "--max-image-bytes"),
+                              (base + "/big.png", "--max-image-bytes"), (base + "/missing.png", "HTTP 404"),
+                              (base + "/redirect", "HTTP 302"), ("http://127.0.0.1:9/x.png", "could not be fetched"),
+                              (f"http://localhost:{files.server_port}/cat.png", "not among the server's")):
+            body = {"model": path, "messages": chat_messages(source), "max_tokens": 4}
+            message = error_of(http(server, "POST", "/v1/chat/completions", json=body), 400)["message"]
+            assert words in message, (source[:40], message)
         assert httpx.get(server.url + "/health").status_code == 200
-        again = client.chat.completions.create(model=path, messages=chat_messages(data_url(image)), max_tokens=12,
+        again = client.chat.completions.create(model=path, messages=chat_messages(url), max_tokens=12,
                                                temperature=0, extra_body={"ignore_eos": True})
         assert again.choices[0].message.content == expected
-        metrics = server.metrics()
-        assert metrics.get("nanovllm:num_requests_running", 0) == 0
+        assert server.metrics().get("nanovllm:num_requests_running", 0) == 0
     finally:
+        files.shutdown()
         assert server.stop() == 0, server.log()

@@ -38,6 +38,7 @@ from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDe
                                                updates)
 from nanovllm.features.structured_outputs import grammar_threads, import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
+from nanovllm.entrypoints.media import ImageURLs
 from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ErrorResponse,
@@ -700,6 +701,7 @@ def serve(args) -> int:
                                     args.data_parallel_routing, args.max_queued_requests, metrics)
     else:
         engine = AsyncEngine(llm_from_args(args), args.max_queued_requests, metrics)
+    engine.image_urls = ImageURLs(tuple(args.allowed_media_domains), args.max_image_bytes, args.image_fetch_timeout)
     name = args.served_model_name or args.model
     gate = build_app(engine, name, args.api_key, metrics, args.max_request_bytes, args.tool_call_parser,
                      args.reasoning_parser)

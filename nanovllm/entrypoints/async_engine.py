@@ -25,6 +25,7 @@ from typing import Protocol
 from nanovllm.engine.frontend import Frontend
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
+from nanovllm.entrypoints.media import ImageURLs
 from nanovllm.features.structured_outputs import COMPILE_TIMEOUT_S, POLL_S, overdue
 from nanovllm.sampling_params import SamplingParams
 
@@ -151,6 +152,7 @@ class AsyncFront:
         self.error: BaseException | None = None
         self.closing = False  # close() was called: new calls are refused
         self.grammar_timeout_s = COMPILE_TIMEOUT_S  # (a request's own compile; see grammar_job)
+        self.image_urls = ImageURLs()  # how image_url parts are read (the server's --allowed-media-domains, ...)
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanovllm-tokenizer")
 
     async def encode(self, prompt) -> list[int]:
@@ -161,7 +163,7 @@ class AsyncFront:
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, ChatPrompt):  # (token ids, or a dict prompt with the images its parts hold)
             from nanovllm.features.chat_template import chat_prompt
-            prompt = chat_prompt(self.llm, prompt.messages, prompt.tools, prompt.template_kwargs)
+            prompt = chat_prompt(self.llm, prompt.messages, prompt.tools, prompt.template_kwargs, self.image_urls.load)
         return self.llm.encode_prompt(prompt)
 
     async def submit(self, prompt, params: SamplingParams, stream: bool = False) -> Request:

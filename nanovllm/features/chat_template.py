@@ -30,13 +30,14 @@ def render_chat(tokenizer, model: str, messages: list[dict], tools: list[dict] |
 
 
 def chat_prompt(frontend, messages: list[dict], tools: list[dict] | None = None,
-                template_kwargs: dict | None = None):
+                template_kwargs: dict | None = None, load_url=None):
     """A conversation as a prompt the engine takes: its token ids, or, when its content parts hold
-    images (features/multimodal.py reads them), a dict prompt of the ids and the images."""
+    images (features/multimodal.py reads them; load_url, its image URLs), a dict prompt of the ids
+    and the images."""
     images = []
     if has_images(messages):
         from nanovllm.features.multimodal import chat_images  # (image input's layer: loaded when a chat has images)
-        messages, images = chat_images(frontend, messages)
+        messages, images = chat_images(frontend, messages, load_url)
     ids = frontend.render_chat(messages, tools, template_kwargs)
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 

@@ -198,12 +198,13 @@ def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int) -> np
 
 
 # ---- chat messages -----------------------------------------------------------------------------
-def chat_images(frontend, messages: list[dict]) -> tuple[list[dict], list]:
+def chat_images(frontend, messages: list[dict], load_url=None) -> tuple[list[dict], list]:
     """OpenAI-style messages whose content parts may hold images ({"type": "image_url", "image_url":
     {"url": a data URL}}, or {"type": "image", "image": an image} offline) -> the messages as a chat
     template takes them (each image part {"type": "image"}, which the Qwen-VL templates render as
-    the image's placeholder), and the images in order. A ValueError names a bad part, or a model
-    that takes no images (before any is decoded)."""
+    the image's placeholder), and the images in order. load_url(url, where) reads an image_url
+    (default image_from_url: data URLs; the server's entrypoints/media.py fetches allowed http(s)
+    ones too). A ValueError names a bad part, or a model that takes no images (before any is read)."""
     image_processing(frontend.config.model)
     rendered, images = [], []
     for i, message in enumerate(messages):
@@ -216,7 +217,7 @@ def chat_images(frontend, messages: list[dict]) -> tuple[list[dict], list]:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image_url":
                 url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
-                images.append(image_from_url(url, f"messages[{i}].content[{j}]"))
+                images.append((load_url or image_from_url)(url, f"messages[{i}].content[{j}]"))
             elif kind == "image":
                 images.append(part.get("image"))
             else:
@@ -228,21 +229,25 @@ def chat_images(frontend, messages: list[dict]) -> tuple[list[dict], list]:
 
 
 def image_from_url(url, where: str):
-    """A data URL's image (data:image/...;base64,...) as a PIL image, or a ValueError saying what is wrong."""
+    """A data URL's image as an RGB PIL image (offline: an http(s) URL is refused), or a ValueError."""
+    if isinstance(url, str) and url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: image URLs over http(s) are not fetched here; send the image as a data URL "
+                         f"(data:image/png;base64,...), or serve with --allowed-media-domains")
+    return decode_image(data_url_bytes(url, where), where)
+
+
+def data_url_bytes(url, where: str) -> bytes:
+    """The bytes of a base64 data URL of an image (data:image/...;base64,...), or a ValueError."""
     if not isinstance(url, str):
         raise ValueError(f"{where}: an image_url part needs {{'url': a string}}")
-    if url.startswith(("http://", "https://")):
-        raise ValueError(f"{where}: image URLs over http(s) are not fetched here; send the image as a data URL "
-                         f"(data:image/png;base64,...)")
     header, comma, data = url.partition(",")
     if not (url.startswith("data:image/") and comma and header.endswith(";base64")):
         raise ValueError(f"{where}: an image URL must be a base64 data URL of an image (data:image/...;base64,...), "
                          f"got one starting {url[:40]!r}")
     try:
-        raw = base64.b64decode(data, validate=True)
+        return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"{where}: the data URL's base64 is not valid: {e}") from e
-    return decode_image(raw, where)
 
 
 def decode_image(raw: bytes, where: str):
