@@ -85,7 +85,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=True)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return F.linear(pixel_values.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
+        return F.linear(pixel_values.to(self.proj.weight.dtype), self.proj.weight.flatten(1), self.proj.bias)
 
 
 class PatchMerger(nn.Module):
