@@ -95,6 +95,37 @@ PRESETS = {
                          hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
                          sliding_window=64, max_position_embeddings=4096, dtype="float32"),
+    # Qwen2.5-VL 3B (Qwen/Qwen2.5-VL-3B-Instruct's config.json), bf16: the text model and the vision tower
+    # (32 blocks, window attention); its image processor's defaults (14-pixel patches, 2 x 2 merged)
+    "qwen2.5-vl-3b": dict(architecture="Qwen2_5_VLForConditionalGeneration", config_class="Qwen2_5_VLConfig",
+                          text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                                           num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                                           max_position_embeddings=128000, rms_norm_eps=1e-6,
+                                           tie_word_embeddings=True, rope_parameters={
+                                               "rope_type": "default", "rope_theta": 1000000.0,
+                                               "mrope_section": [16, 24, 24]}),
+                          vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                             out_hidden_size=2048, patch_size=14, window_size=112,
+                                             fullatt_block_indexes=[7, 15, 23, 31], spatial_merge_size=2,
+                                             temporal_patch_size=2, hidden_act="silu"),
+                          image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653,
+                          image_processor=dict(patch_size=14, merge_size=2, temporal_patch_size=2),
+                          dtype="bfloat16"),
+    # its shape at toy size, for a CPU smoke run of image input
+    "qwen2.5-vl-tiny": dict(architecture="Qwen2_5_VLForConditionalGeneration", config_class="Qwen2_5_VLConfig",
+                            text_config=dict(vocab_size=16384, hidden_size=256, intermediate_size=512,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=4096, rms_norm_eps=1e-6,
+                                             tie_word_embeddings=True, rope_parameters={
+                                                 "rope_type": "default", "rope_theta": 1000000.0,
+                                                 "mrope_section": [8, 12, 12]}),
+                            vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                                               out_hidden_size=256, patch_size=14, window_size=112,
+                                               fullatt_block_indexes=[1], spatial_merge_size=2,
+                                               temporal_patch_size=2, hidden_act="silu"),
+                            image_token_id=16000, vision_start_token_id=16001, vision_end_token_id=16002,
+                            image_processor=dict(patch_size=14, merge_size=2, temporal_patch_size=2),
+                            dtype="float32"),
 }
 # Quantized shapes: each preset above as a block-quantized FP8 checkpoint (Qwen3-*-FP8's config)
 # and an AWQ int4 one (Qwen3-*-AWQ's); their dummy weights are random codes and scales.
@@ -143,11 +174,31 @@ def write_dummy_config(preset: str) -> str:
     settings = dict(PRESETS[preset])
     architecture = settings.pop("architecture", "Qwen3ForCausalLM")
     config_class = settings.pop("config_class", architecture.replace("ForCausalLM", "Config"))
+    image_processor = settings.pop("image_processor", None)
     path = tempfile.mkdtemp(prefix=f"nanovllm-{preset}-")
     config = getattr(transformers, config_class)(**settings)
     config.architectures = [architecture]
     config.save_pretrained(path)
+    if image_processor is not None:  # (a vision-language preset: its PIL image processor beside it)
+        transformers.Qwen2VLImageProcessorPil(**image_processor).save_pretrained(path)
     return path
+
+
+def image_requests(path: str, prompts: list[list[int]], num_images: int, size: int, seed: int):
+    """The first num_images prompts with a random size x size image each before their text (the
+    placeholder between the vision start and end tokens); (requests, their prompt tokens, images expanded)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoConfig
+    from nanovllm.features.multimodal import image_processing
+    config, rng = AutoConfig.from_pretrained(path), np.random.default_rng(seed)
+    requests, lengths = list(prompts), list(map(len, prompts))
+    for i in range(min(num_images, len(prompts))):
+        image = Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+        ids = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id] + prompts[i]
+        requests[i] = {"prompt_token_ids": ids, "multi_modal_data": {"image": image}}
+        lengths[i] = len(ids) - 1 + image_processing(path).image(image, 0).length
+    return requests, lengths
 
 
 def weight_bytes(model) -> dict[str, int]:
@@ -302,7 +353,7 @@ def pipeline_busy(llm, records: list[dict] | None) -> list[float]:
     return over_decode
 
 
-def run_nanovllm(args, path, prompts, max_tokens):
+def run_nanovllm(args, path, prompts, max_tokens, prompt_lengths=None):
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy" if args.dummy else "auto",
               # (never more rows than requests: each size of the CUDA-graph ladder up to it is captured)
               max_model_len=args.max_model_len, max_num_seqs=min(args.max_num_seqs, args.num_seqs),
@@ -313,7 +364,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
               speculative_config=args.speculative_config, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
     weights = weight_bytes(llm.model_runner.model)
-    warm_up(llm, prompts)                                   # not timed; the recorder counts from here
+    warm_up(llm, [p if isinstance(p, list) else p["prompt_token_ids"] for p in prompts])  # not timed
     recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
     llm.attach_recorder(recorder)
     if args.pipeline_parallel_size > 1:  # each rank's work and waits, step by step
@@ -330,7 +381,7 @@ def run_nanovllm(args, path, prompts, max_tokens):
     output_tokens = sum(len(o["token_ids"]) for o in outputs)
     result = {
         "output_tokens": output_tokens, "elapsed_s": elapsed, "output_tok_per_s": output_tokens / elapsed,
-        "total_tok_per_s": (output_tokens + sum(map(len, prompts))) / elapsed,
+        "total_tok_per_s": (output_tokens + sum(prompt_lengths or map(len, prompts))) / elapsed,
         "prefill_tok_per_s": delta["prefill_tokens"] / max(delta["prefill_time_s"], 1e-9),
         "decode_tok_per_s": delta["decode_tokens"] / max(delta["decode_time_s"], 1e-9),
         "ttft_s": percentiles(o["metrics"]["ttft_s"] for o in outputs),
@@ -360,12 +411,14 @@ def run_nanovllm(args, path, prompts, max_tokens):
 
 
 def hf_model(args, path, device):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = AutoConfig.from_pretrained(path)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     if args.dummy:  # random weights of the same shape
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = auto.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -423,12 +476,49 @@ def hf_static(model, prompts, max_tokens, batch_size, time_limit, device, show_p
     return tokens, time.perf_counter() - start, capped, f"generate, static batches of {batch_size}"
 
 
+@torch.inference_mode()
+def hf_images(model, path, requests, max_tokens, time_limit, device):
+    """Requests with images through `generate`, one at a time (HF's processor's pixels, its M-RoPE)."""
+    from transformers import AutoImageProcessor
+    processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+    image_id = model.config.image_token_id
+    tokens, capped, start = 0, False, time.perf_counter()
+    for request, n in zip(requests, max_tokens):
+        if time.perf_counter() - start > time_limit:
+            capped = True
+            break
+        pixels = processor(images=[request["multi_modal_data"]["image"]], return_tensors="pt")
+        grid = pixels["image_grid_thw"]
+        ids = []
+        for t in request["prompt_token_ids"]:
+            ids += [t] * (int(grid.prod()) // processor.merge_size ** 2 if t == image_id else 1)
+        ids = torch.tensor([ids], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"].to(device),
+                             image_grid_thw=grid.to(device), mm_token_type_ids=(ids == image_id).int(),
+                             do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                             eos_token_id=None, pad_token_id=0)
+        tokens += out.shape[1] - ids.shape[1]
+    sync(device)
+    return tokens, time.perf_counter() - start, capped, "generate, one request at a time (images)"
+
+
 def run_hf(args, path, prompts, max_tokens, device):
     if device == "cuda":  # (what the engine's allocator still caches would otherwise look used to HF)
         torch.cuda.empty_cache()
     model = hf_model(args, path, device)
     result = None
-    if device == "cuda" and hasattr(model, "init_continuous_batching"):
+    if any(isinstance(p, dict) for p in prompts):  # (--images: those requests, and the text ones, one by one)
+        requests = [p if isinstance(p, dict) else {"prompt_token_ids": p, "multi_modal_data": {"image": None}}
+                    for p in prompts]
+        with_images = [(r, n) for r, n in zip(requests, max_tokens) if r["multi_modal_data"]["image"] is not None]
+        text = [(r["prompt_token_ids"], n) for r, n in zip(requests, max_tokens) if r["multi_modal_data"]["image"] is None]
+        tokens, elapsed, capped, method = hf_images(model, path, *zip(*with_images), args.hf_time_limit, device)
+        if text:
+            more = hf_static(model, *map(list, zip(*text)), args.hf_batch_size, args.hf_time_limit, device, False)
+            tokens, elapsed, capped = tokens + more[0], elapsed + more[1], capped or more[2]
+            method += f", the text ones in static batches of {args.hf_batch_size}"
+        result = tokens, elapsed, capped, method
+    if result is None and device == "cuda" and hasattr(model, "init_continuous_batching"):
         try:
             result = hf_continuous(model, prompts, max_tokens, args.hf_time_limit)
         except Exception as e:  # noqa: BLE001 - any failure falls back to the always-available path
@@ -471,6 +561,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     p.add_argument("--repetitive", action="store_true",
                    help="prompts that repeat a phrase of 8 tokens (text that quotes itself: n-gram drafts can hit)")
+    p.add_argument("--images", type=int, default=0, metavar="N", help="the first N requests have one random "
+                   "image each (a vision-language model: --dummy qwen2.5-vl-3b)")
+    p.add_argument("--image-size", type=int, default=448, metavar="PIXELS", help="the images' width and height")
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers and print the ratio")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static-batch baseline")
     p.add_argument("--hf-time-limit", type=float, default=float("inf"), help="seconds; caps the baseline")
@@ -502,13 +595,17 @@ def main(argv=None):
     path = args.model or write_dummy_config(args.dummy)
     args.speculative_config = dummy_draft(args.speculative_config)
     from transformers import AutoConfig
-    vocab_size = AutoConfig.from_pretrained(path).vocab_size
+    vocab_size = AutoConfig.from_pretrained(path).get_text_config().vocab_size
     prompts, max_tokens = make_workload(args.num_seqs, args.min_input_len, args.max_input_len, args.min_output_len,
                                         args.max_output_len, args.seed, vocab_size)
     if args.repetitive:
         prompts = [(p[:8] * (len(p) // 8 + 1))[:len(p)] for p in prompts]
-    result = run_nanovllm(args, path, prompts, max_tokens)
+    lengths = None
+    if args.images:
+        prompts, lengths = image_requests(path, prompts, args.images, args.image_size, args.seed)
+    result = run_nanovllm(args, path, prompts, max_tokens, lengths)
     result["model"] = args.model or f"dummy:{args.dummy}"
+    result["images"] = min(args.images, len(prompts))
     result["requested_output_tokens"] = sum(max_tokens)
     print(f"nanovllm  [{result['model']}, {result['device']}, {result['attention_backend']}]: "
           f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f}s = "

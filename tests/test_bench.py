@@ -78,6 +78,22 @@ def test_gpt_oss_presets(preset):
     assert_short_cpu_run(preset)
 
 
+def test_qwen2_5_vl_presets_and_images_with_the_hf_baseline(capsys):
+    """qwen2.5-vl-3b is Qwen2.5-VL 3B's shape (36 text layers, a 32-block tower); qwen2.5-vl-tiny runs
+    on CPU with --images: 4 of 6 requests carry a 112 x 112 image (64 tokens each, 14-pixel patches
+    merged 2 x 2), HF's generate beside it, every requested token produced by both."""
+    config = preset_config("qwen2.5-vl-3b")
+    assert config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
+    assert (config.text_config.num_hidden_layers, config.vision_config.depth, config.vision_config.patch_size) == (
+        36, 32, 14)
+    result = bench.main(["--dummy", "qwen2.5-vl-tiny", "--num-seqs", "6", "--images", "4", "--image-size", "112",
+                         "--min-input-len", "20", "--max-input-len", "40", "--min-output-len", "4",
+                         "--max-output-len", "8", "--device", "cpu", "--compare", "hf"])
+    _, max_tokens = bench.make_workload(6, 20, 40, 4, 8, 0, 16384)
+    assert result["images"] == 4 and result["output_tokens"] == result["baseline"]["output_tokens"] == sum(max_tokens)
+    assert "one request at a time (images)" in capsys.readouterr().out
+
+
 def test_cpu_smoke_run_with_hf_baseline(capsys):
     result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "16", "--min-input-len", "16", "--max-input-len", "64",
                          "--min-output-len", "8", "--max-output-len", "32", "--device", "cpu", "--max-model-len", "256",
