@@ -50,7 +50,7 @@ OPTIONAL_LAYERS = ("nanovllm.features", "nanovllm.layers.moe", "nanovllm.layers.
                    "nanovllm.models.qwen3_5", "nanovllm.models.layer_kinds", "nanovllm.layers.sliding_window",
                    "nanovllm.layers.gated_delta_net", "nanovllm.layers.offset_norm", "nanovllm.models.gpt_oss",
                    "nanovllm.layers.attention_sinks", "nanovllm.layers.scaled_rope", "nanovllm.models.qwen3_5_moe",
-                   "nanovllm.models.qwen2_5_vl")
+                   "nanovllm.models.qwen2_5_vl", "nanovllm.models.qwen3_vl")
 
 # No function of the core over this many lines (def to last line, docstring included) ...
 MAX_FUNCTION_LINES = 40

@@ -112,8 +112,9 @@ def test_unsupported_architecture(family_dir, tmp_path):
                                          r"\['Gemma3ForCausalLM', 'Gemma3ForConditionalGeneration', 'GptOssForCausalLM', "
                                          r"'LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', "
                                          r"'Qwen2_5_VLForConditionalGeneration', 'Qwen3ForCausalLM', "
-                                         r"'Qwen3MoeForCausalLM', 'Qwen3_5ForCausalLM', 'Qwen3_5ForConditionalGeneration', "
-                                         r"'Qwen3_5MoeForCausalLM', 'Qwen3_5MoeForConditionalGeneration'\]"):
+                                         r"'Qwen3MoeForCausalLM', 'Qwen3VLForConditionalGeneration', 'Qwen3_5ForCausalLM', "
+                                         r"'Qwen3_5ForConditionalGeneration', 'Qwen3_5MoeForCausalLM', "
+                                         r"'Qwen3_5MoeForConditionalGeneration'\]"):
         LLM(folder)
 
 

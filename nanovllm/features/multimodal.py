@@ -1,5 +1,5 @@
-"""Image input (issue 49): what the engine adds for a model that takes images (Qwen2.5-VL,
-models/qwen2_5_vl.py). A request brings its images beside its prompt, the vLLM way:
+"""Image input (issue 49): what the engine adds for a model that takes images (Qwen2.5-VL and
+Qwen3-VL, models/qwen2_5_vl.py and qwen3_vl.py). A request brings its images beside its prompt, the vLLM way:
 
     llm.generate([{"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is this?",
                    "multi_modal_data": {"image": pil_image}}], params)
@@ -17,7 +17,8 @@ models/qwen2_5_vl.py). A request brings its images beside its prompt, the vLLM w
                text with another image shares no block, the same image and text hits
   a step       MultimodalScheduledStep.batch() adds each token's three positions and the image
                spans its prefill chunks hold; the runner encodes the images it has not encoded yet
-               (the vision tower, all of a step's new images in one call), keeps their embeddings by
+               (the vision tower, all of a step's new images in one call; Qwen3-VL's DeepStack
+               features ride beside the embeddings, token by token), keeps their embeddings by
                key until a request has consumed an image's last placeholder (so a chunked prefill
                over an image encodes it once), and hands the model the step's positions and the
                embeddings of its placeholder tokens (model.multimodal_step)
@@ -25,9 +26,12 @@ models/qwen2_5_vl.py). A request brings its images beside its prompt, the vLLM w
 Tensor parallelism: every rank holds the whole vision tower and encodes a step's images itself
 (the step's message carries their patches); the text decoder is split as always.
 
-Not here yet (the issue's rest): the server's image_url parts and LLM.chat, an encoder budget per
-step, pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
-model run eagerly: a graph would need the per-request delta in its positions), Qwen3-VL.
+Chat: LLM.chat and the server read OpenAI's image_url content parts (chat_images: data URLs here;
+the server's entrypoints/media.py fetches allowed http(s) ones).
+
+Not here yet (the issue's rest): an encoder budget per step (a step encodes the images its chunks
+start, at most about its token budget's worth beyond the last), pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
+model run eagerly: a graph would need the per-request delta in its positions), video, Qwen3.5's tower.
 """
 import base64
 import binascii

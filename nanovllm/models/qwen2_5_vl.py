@@ -35,43 +35,55 @@ class MultimodalStep:
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """RoPE over positions [3, T]: frequency i rotated by the position of section i's grid (the
-    tables are RotaryEmbedding's); positions [T] (a text-only step) are plain RoPE."""
+    """RoPE over positions [3, T]: frequency i rotated by the position of its grid's (the tables
+    are RotaryEmbedding's); positions [T] (a text-only step) are plain RoPE. The grids' frequencies,
+    `mrope_section` (t, h, w) of them: in three runs (Qwen2.5-VL's 0..0 1..1 2..2), or interleaved
+    (Qwen3-VL's t h w t h w ..., then t: frequency i is h's if i % 3 == 1 and i < 3 * h, w's if
+    i % 3 == 2 and i < 3 * w, else t's)."""
 
-    def __init__(self, head_dim: int, max_position: int, params: dict):
-        super().__init__(head_dim, max_position, {k: v for k, v in params.items() if k != "mrope_section"})
+    def __init__(self, head_dim: int, max_position: int, params: dict, interleaved: bool = False):
+        super().__init__(head_dim, max_position,
+                         {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")})
         sections = params.get("mrope_section") or [head_dim // 2]
         if sum(sections) != head_dim // 2:
             raise ValueError(f"mrope_section={sections} must add up to head_dim / 2 = {head_dim // 2}")
-        # [d/2]: which of the three grids each frequency reads (0, 0, .., 1, 1, .., 2, 2, ..)
-        self.register_buffer("grid_of", torch.repeat_interleave(torch.arange(len(sections)) % 3,
-                                                                torch.tensor(sections)), persistent=False)
+        if interleaved:
+            i = torch.arange(head_dim // 2)
+            grid_of = torch.where((i % 3 == 1) & (i < 3 * sections[1]), 1, 0)
+            grid_of = torch.where((i % 3 == 2) & (i < 3 * sections[2]), 2, grid_of)
+        else:
+            grid_of = torch.repeat_interleave(torch.arange(len(sections)) % 3, torch.tensor(sections))
+        self.register_buffer("grid_of", grid_of, persistent=False)  # [d/2]: which grid each frequency reads
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
         if positions.dim() == 1:
             return super().forward(positions, q, k, q_norm, k_norm)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         frequencies = torch.arange(self.grid_of.numel(), device=positions.device)
         rows = positions[self.grid_of].t()                                # [T, d/2]: each frequency's position
         cos, sin = self.cos[rows, frequencies].unsqueeze(1), self.sin[rows, frequencies].unsqueeze(1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    """config: the text config (Config reads text_config); vision_config: the checkpoint's, from the
+class VisionLanguageModel:
+    """What Qwen2.5-VL and Qwen3-VL add to their text decoder (a DecoderForCausalLM they subclass
+    with this first): the vision tower, M-RoPE, the image embeddings at the step's placeholder
+    tokens, and Qwen3-VL's DeepStack: the tower's features of some of its blocks, added to the
+    hidden states of those tokens after the decoder's first layers, one layer each.
+
+    config: the text config (Config reads text_config); vision_config: the checkpoint's, from the
     multimodal runner (None: the text model alone, and the vision weights skipped)."""
     engine_layers = takes_images = True  # (the engine runs it with features/multimodal.py's runner and scheduler)
+    interleaved_mrope = False
 
-    def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
-        super().__init__(config, max_position)
-        rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
+    def attach_vision(self, config: PretrainedConfig, max_position: int, vision_config, tower_class):
+        rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), self.interleaved_mrope)
         for layer in self.model.layers:
             if not isinstance(layer, HeldElsewhere):
                 layer.self_attn.rotary_emb = rotary
-        if vision_config is not None:
-            from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
-            self.visual = Qwen2_5VisionTower(vision_config)
-        else:
-            self.visual = HeldElsewhere()  # (where the loader drops the tower's tensors)
+        self.visual = tower_class(vision_config) if vision_config is not None else HeldElsewhere()
+        self.num_deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
         self.multimodal_step: MultimodalStep | None = None
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
@@ -80,16 +92,28 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         return super().checkpoint_target(name.replace("model.language_model.", "model.", 1))
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[patches, C*T*P*P], [images, 3] -> the images' embeddings [tokens, hidden], in order."""
-        return self.visual(pixel_values.to(self.model.embed_tokens.weight.dtype), grid_thw)
+        """[patches, C*T*P*P], [images, 3] -> the images' embeddings [tokens, hidden], in order; with
+        DeepStack, each layer's feature after them: [tokens, hidden * (1 + DeepStack layers)]."""
+        out = self.visual(pixel_values.to(self.model.embed_tokens.weight.dtype), grid_thw)
+        return torch.cat([out[0], *out[1]], -1) if isinstance(out, tuple) else out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual, step = self.model.embed_tokens(input_ids), None, self.multimodal_step
+        features = []
         if step is not None:
             positions = step.positions
             if step.slots is not None:
-                hidden[step.slots] = step.embeddings.to(hidden.dtype)
-        for layer in self.model.layers:
+                hidden[step.slots], *features = step.embeddings.to(hidden.dtype).chunk(1 + self.num_deepstack, -1)
+        for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(positions, hidden, residual)
+            if i < len(features):  # (DeepStack: into the residual stream, hidden + residual, after layer i)
+                hidden[step.slots] += features[i]
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, Qwen2ForCausalLM):
+    def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
+        super().__init__(config, max_position)
+        from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
+        self.attach_vision(config, max_position, vision_config, Qwen2_5VisionTower)
