@@ -73,7 +73,7 @@ PLAN = [
     Step("headline", "first", 70, True, "bench.py standard workload (256 seqs, Qwen3-0.6B shape) vs HF"),
     Step("profile", "first", 40, True, "kernels per layer and step; GPU idle in decode steps, overlap on/off"),
     Step("top_p", "first", 12, False, "sampler: plain sort-based top-p vs temperature alone (redraw protocol?)"),
-    Step("gpu_tests", "tests", 60, False, "gpu-marked tests"),
+    Step("gpu_tests", "tests", 50, False, "gpu-marked tests"),
     Step("kernel_tests", "tests", 30, False, "Triton kernel tests on the GPU"),
     Step("rerun_failures", "tests", 10, False, "failed tests again, CUDA_LAUNCH_BLOCKING=1"),
     Step("decode_kernel", "more", 12, False, "decode kernel micro-benchmark; a verify step's, vs the prefill kernel"),
@@ -83,7 +83,8 @@ PLAN = [
     Step("fp8_kv_decode", "more", 6, False, "decode kernel micro-benchmark, fp8 KV cache"),
     Step("quantized", "more", 24, False, "bench.py short workload: bf16, fp8, fp8 block, AWQ, fp8 KV; probe vs bf16"),
     Step("multiturn", "more", 15, False, "bench_multiturn.py qwen3-0.6b, host tier off and on"),
-    Step("families", "more", 36, False, "bench.py qwen3.5-0.8b, gemma-3-1b, gpt-oss-20b (new layer kinds), 16 seqs"),
+    Step("families", "more", 46, False, "bench.py qwen3.5-0.8b, gemma-3-1b, gpt-oss-20b (new layer kinds), "
+                                        "qwen2.5-vl-3b (8 images, vs HF), 16 seqs"),
     Step("pipeline", "more", 5, False, "bench.py over 2 pipeline stages: each stage's busy share (2 GPUs)"),
 ]
 GROUPS = ["first", "tests", "more"]  # (in this order; "warm" runs beside "first")

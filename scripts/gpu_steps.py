@@ -59,12 +59,16 @@ SPECULATION = {"plain": [],
 # The new families' step, a short workload each: Qwen3.5 0.8B's shape (Gated DeltaNet + full attention,
 # features/state_cache.py; 16 rows and 16 snapshots of ~19 MiB of recurrent state each), Gemma 3 1B's
 # (the local layers' own pool of blocks, features/window_blocks.py) and gpt-oss-20b's (sinks and windows
-# in the Triton kernels, its experts ~38 GB of bf16: the torch expert loop).
+# in the Triton kernels, its experts ~38 GB of bf16: the torch expert loop), and Qwen2.5-VL 3B's with images.
 FAMILY_WORKLOAD = ["--num-seqs", "16", "--max-num-seqs", "16", "--max-input-len", "256", "--max-output-len", "64",
                    "--json"]
 FAMILIES = {"qwen3.5-0.8b": ["--dummy", "qwen3.5-0.8b"] + FAMILY_WORKLOAD,
             "gemma-3-1b": ["--dummy", "gemma-3-1b", "--attention-backend", "triton"] + FAMILY_WORKLOAD,
-            "gpt-oss-20b": ["--dummy", "gpt-oss-20b", "--attention-backend", "triton"] + FAMILY_WORKLOAD}
+            "gpt-oss-20b": ["--dummy", "gpt-oss-20b", "--attention-backend", "triton"] + FAMILY_WORKLOAD,
+            # Qwen2.5-VL 3B's shape with 8 of the 16 requests carrying a 448 x 448 image (256 tokens each):
+            # its tower on the GPU, M-RoPE, decode steps eager (features/multimodal.py); HF's generate beside it
+            "qwen2.5-vl-3b": ["--dummy", "qwen2.5-vl-3b", "--images", "8", "--compare", "hf",
+                              "--hf-time-limit", "20"] + FAMILY_WORKLOAD}
 QUANT = ["--num-seqs", "64", "--max-input-len", "512", "--max-output-len", "128", "--json"]
 # Each quantized run's probe (bench.py: the logprobs of a fixed prompt set; the dummy checkpoints
 # are the bf16 random model quantized) against the bf16 run's: bounds of the relative error, about
@@ -358,7 +362,8 @@ def families(ctx: Context):
         if ctx.warm:
             continue
         ok &= not r["failed_checks"]
-        ctx.note(f"{name} shape, 16 sequences: {tok_s(r)}")
+        ratio = f", {r['ratio']:.2f}x HF's generate" if "ratio" in r else ""
+        ctx.note(f"{name} shape, 16 sequences: {tok_s(r)}{ratio}")
     if ctx.warm:
         return "PASS", "warm", None
     return verdict(ok), "; ".join(ctx.notes), results
