@@ -220,6 +220,25 @@ def test_bad_image_requests_are_refused_by_name(vl, prompt, match):
         assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_the_image_chat_example_runs(vl_chat, tmp_path):
+    """examples/image_chat.py: a PNG file's answer, LLM.chat's through its data URL."""
+    import os
+    import subprocess
+    import sys
+    image = picture(40, 32, 32)
+    image.save(tmp_path / "x.png")
+    with LLM(vl_chat[0]) as llm:
+        expected = llm.chat([{"role": "user", "content": [{"type": "image", "image": image},
+                                                          {"type": "text", "text": "what?"}]}],
+                            SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)["text"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "image_chat.py"), vl_chat[0],
+                          str(tmp_path / "x.png"), "what?", "--max-tokens", "6"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == expected + "\n"
+
+
 def test_chat_with_a_data_url_equals_generate_and_hf(vl_chat):
     """LLM.chat: the image_url part decoded (a PNG data URL: lossless), rendered as the template's
     placeholder; equal to generate() of the template's ids with the image, to an image given offline
