@@ -142,3 +142,40 @@ def test_decode_graphs_of_the_layer_groups_equal_hf(arch, rerun_graphs, tmp_path
         outputs = llm.generate(prompts[3:6], params, use_tqdm=False)
         assert len(FakeGraph.replayed) == 0  # (the emulation reruns forward: no fake replay logged)
     assert [o["token_ids"] for o in outputs] == [reference(path, p, 8) for p in prompts[3:6]]
+
+
+def test_a_vl_models_decode_steps_replay_for_text_alone_and_run_eagerly_with_images(rerun_graphs, monkeypatch,
+                                                                                  tmp_path):
+    """features/multimodal.py: a decode step of text alone replays its graph (and equals HF); one
+    holding a sequence with images, whose M-RoPE positions run behind its token positions, runs
+    eagerly, and gives what an eager engine gives."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import numpy as np
+    from PIL import Image
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from hf_reference import greedy_of, save_multimodal_model
+    from nanovllm import LLM, SamplingParams
+    path = str(tmp_path / "vl")
+    hf = save_multimodal_model(path, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, dict(rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}), vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+        temporal_patch_size=2, spatial_merge_size=2), image_token_id=500, vision_start_token_id=501,
+        vision_end_token_id=502)
+    Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=256,
+                             max_pixels=48 * 48 * 16).save_pretrained(path)
+    replays = []
+    replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, *args: replays.append(args[2]) or replay(self, *args))
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8))
+    request = {"prompt_token_ids": [7, 501, 500, 502, 9, 10], "multi_modal_data": {"image": image}}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    options = dict(attention_backend="triton", device="cpu", max_model_len=256, max_num_seqs=4, kvcache_block_size=16)
+    with LLM(path, **options) as llm:
+        assert llm.model_runner.graphs is not None
+        text = llm.generate([[7, 8, 9], [10, 11, 12, 13]], params, use_tqdm=False)
+        assert replays and [o["token_ids"] for o in text] == [greedy_of(hf, p, 6) for p in ([7, 8, 9], [10, 11, 12, 13])]
+        replays.clear()
+        with_image = llm.generate([request], params, use_tqdm=False)[0]["token_ids"]
+        assert replays == []
+    with LLM(path, enforce_eager=True, **options) as llm:
+        assert llm.generate([request], params, use_tqdm=False)[0]["token_ids"] == with_image

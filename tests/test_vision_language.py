@@ -15,11 +15,13 @@ import pytest
 import torch
 from PIL import Image
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil,
-                          Qwen3VLConfig, Qwen3VLForConditionalGeneration)
+                          Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                          Qwen3_5MoeForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
 
-from hf_reference import save_multimodal_model
+from hf_reference import QWEN3_5_VISION, save_multimodal_model
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import build_tokenizer
+from nanovllm.utils.tiny_model import FAMILY_SETTINGS, LINEAR_ATTENTION_SETTINGS, build_tokenizer
 from serving import KEY, Server, error_of, http, openai_client
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -38,6 +40,15 @@ FAMILIES = {  # (config class, model class, vision config, text config)
                       deepstack_visual_indexes=[0, 1]),
                  dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                        "mrope_interleaved": True})),
+    # three Gated DeltaNet layers and a gated full-attention one whose partial RoPE (half of heads of 32)
+    # turns 8 frequencies on the default interleaved grids; Qwen3-VL's tower without DeepStack
+    "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration, QWEN3_5_VISION["vision_config"],
+                dict(LINEAR_ATTENTION_SETTINGS, head_dim=32, rope_parameters={
+                    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # the same with Qwen3.5-MoE's layers: 4 routed experts (2 a token) and a gated shared one
+    "qwen3_5_moe": (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, QWEN3_5_VISION["vision_config"],
+                    dict(FAMILY_SETTINGS["qwen3_5_moe"], head_dim=32, rope_parameters={
+                        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 

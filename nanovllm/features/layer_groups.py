@@ -1,6 +1,7 @@
 """Which runner, scheduler and block manager run a model that needs more than the core's: one whose
-class says so (`engine_layers = True`): a model that takes images (`takes_images`: features/multimodal.py),
-or one whose layers are of several kinds (config.layer_types), one group of layers per kind:
+class says so (`engine_layers = True`): one whose layers are of several kinds (config.layer_types),
+one group of layers per kind, and then, for a model that takes images (`takes_images`), image
+input's over those (features/multimodal.py):
 
   linear_attention    features/state_cache.py: a fixed-size state per sequence, in its row's slot
   sliding_attention   features/window_blocks.py: a pool of blocks of their own, the window's alone;
@@ -14,9 +15,14 @@ from nanovllm.models import resolve_model_class
 
 
 def group_classes(config, runner_class: type, scheduler_class: type) -> tuple[type, type, object]:
+    classes = layer_group_classes(config, runner_class, scheduler_class)
     if getattr(resolve_model_class(config.hf_config), "takes_images", False):
         from nanovllm.features.multimodal import multimodal_classes
-        return (*multimodal_classes(config, runner_class, scheduler_class), BlockManager)
+        classes = multimodal_classes(config, *classes)
+    return classes
+
+
+def layer_group_classes(config, runner_class: type, scheduler_class: type) -> tuple[type, type, object]:
     kinds = set(getattr(config.hf_config, "layer_types", None) or ())
     if "linear_attention" in kinds:
         from nanovllm.features.state_cache import state_cache_classes

@@ -29,9 +29,16 @@ Tensor parallelism: every rank holds the whole vision tower and encodes a step's
 Chat: LLM.chat and the server read OpenAI's image_url content parts (chat_images: data URLs here;
 the server's entrypoints/media.py fetches allowed http(s) ones).
 
+Layers of other kinds: over the state cache (Qwen3.5 with images) the two layers' classes combine
+(features/multimodal_state.py); the prefix cache's hits end at a state snapshot there as ever.
+
+CUDA graphs: a captured decode step rotates by its rows' token positions, so a decode step holding
+a sequence with images (whose M-RoPE positions run behind its token positions by its delta) runs
+eagerly; a step of text alone replays its graph.
+
 Not here yet (the issue's rest): an encoder budget per step (a step encodes the images its chunks
-start, at most about its token budget's worth beyond the last), pipeline parallelism, speculative decoding, CUDA graphs (decode steps of such a
-model run eagerly: a graph would need the per-request delta in its positions), video, Qwen3.5's tower.
+start, at most about its token budget's worth beyond the last), pipeline parallelism, speculative
+decoding, sliding-window layers with images, video.
 """
 import base64
 import binascii
@@ -267,13 +274,19 @@ def decode_image(raw: bytes, where: str):
 
 
 # ---- steps -------------------------------------------------------------------------------------
-def multimodal_classes(config, runner_class, scheduler_class) -> tuple[type, type]:
-    """The runner and scheduler of a model that takes images (tensor-parallel ranks too), or a
-    ValueError for an option they do not support yet."""
+def multimodal_classes(config, runner_class: type, scheduler_class: type, block_manager_class: type
+                       ) -> tuple[type, type, type]:
+    """The runner, scheduler and block manager of a model that takes images, over those its layers
+    need (the plain ones, or the state cache's: features/multimodal_state.py; tensor-parallel ranks
+    too), or a ValueError for an option they do not support yet."""
+    from nanovllm.features.state_cache import StateRunner
+    if runner_class is StateRunner:  # (Qwen3.5 with images)
+        from nanovllm.features.multimodal_state import MultimodalStateRunner, MultimodalStateScheduler
+        return MultimodalStateRunner, MultimodalStateScheduler, block_manager_class
     if runner_class is not ModelRunner or scheduler_class is not Scheduler:
         raise ValueError("image input is not supported yet with speculative decoding, pipeline parallelism or "
-                         "layers of other kinds")
-    return MultimodalRunner, MultimodalScheduler
+                         "sliding-window layers")
+    return MultimodalRunner, MultimodalScheduler, block_manager_class
 
 
 @dataclass
@@ -286,9 +299,11 @@ class MultimodalStepBatch(StepBatch):
 
 @dataclass
 class MultimodalScheduledStep(ScheduledStep):
+    Batch = MultimodalStepBatch  # (its message: a MultimodalStepBatch of the base step's batch)
+
     def batch(self) -> MultimodalStepBatch:
         plain = super().batch()
-        batch = MultimodalStepBatch(**{f.name: getattr(plain, f.name) for f in fields(StepBatch)})
+        batch = self.Batch(**{f.name: getattr(plain, f.name) for f in fields(plain)})
         if not any(isinstance(seq, MultimodalSequence) for seq in self.seqs):
             return batch  # (text alone: the plain positions are M-RoPE's)
         positions, flat = [], 0
@@ -324,12 +339,10 @@ class MultimodalRunner(ModelRunner):
         vision_config = AutoConfig.from_pretrained(self.config.model).vision_config
         return super()._build_model(lambda config, max_position: model_class(config, max_position, vision_config))
 
-    def _capture(self, config):
-        self.use_graphs = False  # (see the module's docstring: the delta is not in a graph's positions)
-        super()._capture(config)
-
     def prepare(self, batch: MultimodalStepBatch, graphs):
-        inputs = super().prepare(batch, graphs)
+        # A captured decode step rotates by its rows' token positions: one holding a sequence with
+        # images (whose M-RoPE positions run behind by its delta) runs eagerly; text alone replays.
+        inputs = super().prepare(batch, graphs if batch.rope_positions is None else None)
         if inputs is None:
             return None
         step = None

@@ -17,6 +17,7 @@ step's three positions per token and the image embeddings of its placeholder tok
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
@@ -34,35 +35,43 @@ class MultimodalStep:
     slots: torch.Tensor | None = None
 
 
+def mrope_grids(num_frequencies: int, sections: list[int], interleaved: bool) -> torch.Tensor:
+    """[num_frequencies]: which grid (0 t, 1 h, 2 w) each rotary frequency reads. In three runs of
+    `sections` (Qwen2.5-VL: 0..0 1..1 2..2, which must add up), or interleaved (Qwen3-VL, Qwen3.5:
+    t h w t h w ..., then t: frequency i is h's if i % 3 == 1 and i < 3 * h, w's if i % 3 == 2 and
+    i < 3 * w, else t's, as transformers' recomposition computes it, whatever the sections add up to)."""
+    if interleaved:
+        i = torch.arange(num_frequencies)
+        grids = torch.where((i % 3 == 1) & (i < 3 * sections[1]), 1, 0)
+        return torch.where((i % 3 == 2) & (i < 3 * sections[2]), 2, grids)
+    if sum(sections) != num_frequencies:
+        raise ValueError(f"mrope_section={sections} must add up to the rotary frequencies, {num_frequencies}")
+    return torch.repeat_interleave(torch.arange(len(sections)) % 3, torch.tensor(sections))
+
+
+def mrope_cos_sin(module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A RoPE module's cos and sin [T, 1, d/2] at positions [3, T], each frequency at its grid's position."""
+    frequencies = torch.arange(module.grid_of.numel(), device=positions.device)
+    rows = positions[module.grid_of].t()                                  # [T, d/2]: each frequency's position
+    return module.cos[rows, frequencies].unsqueeze(1), module.sin[rows, frequencies].unsqueeze(1)
+
+
 class MRotaryEmbedding(RotaryEmbedding):
-    """RoPE over positions [3, T]: frequency i rotated by the position of its grid's (the tables
-    are RotaryEmbedding's); positions [T] (a text-only step) are plain RoPE. The grids' frequencies,
-    `mrope_section` (t, h, w) of them: in three runs (Qwen2.5-VL's 0..0 1..1 2..2), or interleaved
-    (Qwen3-VL's t h w t h w ..., then t: frequency i is h's if i % 3 == 1 and i < 3 * h, w's if
-    i % 3 == 2 and i < 3 * w, else t's)."""
+    """RoPE over positions [3, T] (mrope_grids: which grid's position turns each frequency; the
+    tables are RotaryEmbedding's); positions [T] (a text-only step) are plain RoPE."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict, interleaved: bool = False):
         super().__init__(head_dim, max_position,
                          {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")})
-        sections = params.get("mrope_section") or [head_dim // 2]
-        if sum(sections) != head_dim // 2:
-            raise ValueError(f"mrope_section={sections} must add up to head_dim / 2 = {head_dim // 2}")
-        if interleaved:
-            i = torch.arange(head_dim // 2)
-            grid_of = torch.where((i % 3 == 1) & (i < 3 * sections[1]), 1, 0)
-            grid_of = torch.where((i % 3 == 2) & (i < 3 * sections[2]), 2, grid_of)
-        else:
-            grid_of = torch.repeat_interleave(torch.arange(len(sections)) % 3, torch.tensor(sections))
-        self.register_buffer("grid_of", grid_of, persistent=False)  # [d/2]: which grid each frequency reads
+        sections = params.get("mrope_section") or [head_dim // 2, 0, 0]
+        self.register_buffer("grid_of", mrope_grids(head_dim // 2, sections, interleaved), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
         if positions.dim() == 1:
             return super().forward(positions, q, k, q_norm, k_norm)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        frequencies = torch.arange(self.grid_of.numel(), device=positions.device)
-        rows = positions[self.grid_of].t()                                # [T, d/2]: each frequency's position
-        cos, sin = self.cos[rows, frequencies].unsqueeze(1), self.sin[rows, frequencies].unsqueeze(1)
+        cos, sin = mrope_cos_sin(self, positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
@@ -75,12 +84,11 @@ class VisionLanguageModel:
     config: the text config (Config reads text_config); vision_config: the checkpoint's, from the
     multimodal runner (None: the text model alone, and the vision weights skipped)."""
     engine_layers = takes_images = True  # (the engine runs it with features/multimodal.py's runner and scheduler)
-    interleaved_mrope = False
 
-    def attach_vision(self, config: PretrainedConfig, max_position: int, vision_config, tower_class):
-        rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), self.interleaved_mrope)
+    def attach_vision(self, rotary: nn.Module, vision_config, tower_class):
+        """The M-RoPE `rotary` in every attention layer, the tower (if vision_config), no step yet."""
         for layer in self.model.layers:
-            if not isinstance(layer, HeldElsewhere):
+            if getattr(layer, "self_attn", None) is not None:
                 layer.self_attn.rotary_emb = rotary
         self.visual = tower_class(vision_config) if vision_config is not None else HeldElsewhere()
         self.num_deepstack = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
@@ -116,4 +124,5 @@ class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, Qwen2ForCausalLM):
     def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
         super().__init__(config, max_position)
         from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
-        self.attach_vision(config, max_position, vision_config, Qwen2_5VisionTower)
+        rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
+        self.attach_vision(rotary, vision_config, Qwen2_5VisionTower)

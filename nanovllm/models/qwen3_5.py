@@ -12,8 +12,8 @@ modeling_qwen3_5.py computes it:
 - every RMSNorm but the gated one inside the DeltaNet scales by (1 + weight) (layers/offset_norm.py),
   q and k normalized per head before RoPE.
 Qwen3_5ForConditionalGeneration checkpoints (the Hub's) hold the same text model under
-model.language_model.*, beside a vision tower (model.visual.*) and multi-token-prediction weights
-(mtp.*): both are skipped until the engine runs them.
+model.language_model.*, beside a vision tower (model.visual.*: models/qwen3_5_vl.py runs it) and
+multi-token-prediction weights (mtp.*, skipped).
 """
 import torch
 from torch import nn
@@ -181,10 +181,6 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The Hub's Qwen3.5 checkpoints: the text model (Config reads their text_config)."""
 
 
 def check_qwen3_5_config(config: PretrainedConfig):

@@ -57,7 +57,3 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
                 text_name = text_name.replace(".mlp.", ".mlp.routed.", 1)
                 return expert_target(text_name, num_experts_of(self.config)) or (text_name, None)
         return super().checkpoint_target(name)
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    """The Hub's Qwen3.5-MoE checkpoints: the text model (Config reads their text_config)."""

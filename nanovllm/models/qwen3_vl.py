@@ -5,14 +5,16 @@ machinery both families share). Checkpoints: transformers' Qwen3VLForConditional
 text model under model.language_model.*, the tower under model.visual.*."""
 from transformers import PretrainedConfig
 
-from nanovllm.models.qwen2_5_vl import VisionLanguageModel
+from nanovllm.layers.rotary_embedding import rope_parameters
+from nanovllm.layers.transformer import head_dim_of
+from nanovllm.models.qwen2_5_vl import MRotaryEmbedding, VisionLanguageModel
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3VLForConditionalGeneration(VisionLanguageModel, Qwen3ForCausalLM):
-    interleaved_mrope = True  # (transformers' Qwen3-VL always interleaves: mrope_interleaved is not read)
-
     def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
         super().__init__(config, max_position)
         from nanovllm.models.qwen3_vl_vision import Qwen3VisionTower
-        self.attach_vision(config, max_position, vision_config, Qwen3VisionTower)
+        # (interleaved always: transformers' Qwen3-VL does not read mrope_interleaved)
+        rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), interleaved=True)
+        self.attach_vision(rotary, vision_config, Qwen3VisionTower)

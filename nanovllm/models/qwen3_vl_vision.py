@@ -113,7 +113,7 @@ class Qwen3VisionTower(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.merge = config.spatial_merge_size
-        self.deepstack_layers = list(config.deepstack_visual_indexes)
+        self.deepstack_layers = list(getattr(config, "deepstack_visual_indexes", None) or [])  # (Qwen3.5's: none)
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
