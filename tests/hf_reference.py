@@ -133,3 +133,22 @@ def assert_prefix_cache_and_preemption(path: str, prompts: list, reference, **op
         # five prompts of two blocks each, all admitted; each needs a third block as it decodes
         assert_greedy_matches_hf(llm, path, [p[:32] for p in prompts if len(p) >= 32], reference, greedy)
         assert llm.stats()["num_preemptions"] > 0
+
+
+def random_vision_language_model(config_class, model_class, vision: dict, text: dict):
+    """A tiny Hugging Face vision-language model in float32, every parameter (norms too) drawn from
+    N(0, 0.2) under seed 0, so that none is at its initial value (the vision towers' tests)."""
+    torch.manual_seed(0)
+    model = model_class(config_class(vision_config=vision, text_config=text)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def vision_tower_of(hf, tower_class):
+    """Our tower_class loaded from hf's model.visual.* weights by name, strictly (none missing or extra)."""
+    tower = tower_class(hf.config.vision_config).eval()
+    tower.load_state_dict({k.removeprefix("model.visual."): v for k, v in hf.state_dict().items()
+                           if k.startswith("model.visual.")})
+    return tower

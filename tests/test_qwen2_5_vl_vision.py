@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
+from hf_reference import random_vision_language_model, vision_tower_of
 from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
 
 PATCH, TEMPORAL, MERGE = 4, 2, 2
@@ -22,20 +23,12 @@ PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
 
 
 def random_hf_model(**vision_overrides) -> Qwen2_5_VLForConditionalGeneration:
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        vision_config={**VISION, **vision_overrides}, text_config=TEXT)).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model
+    return random_vision_language_model(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, {**VISION, **vision_overrides},
+                                        TEXT)
 
 
 def tower_of(hf: Qwen2_5_VLForConditionalGeneration) -> Qwen2_5VisionTower:
-    tower = Qwen2_5VisionTower(hf.config.vision_config).eval()
-    weights = {k.removeprefix("model.visual."): v for k, v in hf.state_dict().items() if k.startswith("model.visual.")}
-    tower.load_state_dict(weights)  # strict: the names and shapes are the checkpoint's, none missing or extra
-    return tower
+    return vision_tower_of(hf, Qwen2_5VisionTower)
 
 
 @pytest.fixture(scope="module")

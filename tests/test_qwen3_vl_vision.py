@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+from hf_reference import random_vision_language_model, vision_tower_of
 from nanovllm.models.qwen3_vl_vision import Qwen3VisionTower
 
 PATCH, TEMPORAL, MERGE = 4, 2, 2
@@ -23,20 +24,12 @@ PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
 
 
 def random_hf_model(**vision_overrides) -> Qwen3VLForConditionalGeneration:
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-        vision_config={**VISION, **vision_overrides}, text_config=TEXT)).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model
+    return random_vision_language_model(Qwen3VLConfig, Qwen3VLForConditionalGeneration, {**VISION, **vision_overrides},
+                                        TEXT)
 
 
 def tower_of(hf: Qwen3VLForConditionalGeneration) -> Qwen3VisionTower:
-    tower = Qwen3VisionTower(hf.config.vision_config).eval()
-    weights = {k.removeprefix("model.visual."): v for k, v in hf.state_dict().items() if k.startswith("model.visual.")}
-    tower.load_state_dict(weights)  # strict: the names and shapes are the checkpoint's, none missing or extra
-    return tower
+    return vision_tower_of(hf, Qwen3VisionTower)
 
 
 @pytest.fixture(scope="module")

@@ -117,13 +117,16 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
+    """A pre-norm block: x + attention(norm1(x)), then + mlp(norm2(x)). `norm` (a dim -> module) and
+    `mlp` are the family's: RMSNorm and the SwiGLU here, Qwen3-VL's LayerNorm and GELU MLP."""
 
-    def __init__(self, config):
+    def __init__(self, config, norm=lambda dim: RMSNorm(dim, NORM_EPS), mlp: nn.Module | None = None):
         super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, NORM_EPS)
-        self.norm2 = RMSNorm(config.hidden_size, NORM_EPS)
+        self.norm1, self.norm2 = norm(config.hidden_size), norm(config.hidden_size)
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        if mlp is None:
+            mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.mlp = mlp
 
     def forward(self, x, cos, sin, lengths: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from nanovllm.models.qwen2_5_vl_vision import VisionAttention, VisionRotaryEmbedding, frame_lengths, patch_positions
+from nanovllm.models.qwen2_5_vl_vision import VisionBlock, VisionRotaryEmbedding, frame_lengths, patch_positions
 
 NORM_EPS = 1e-6  # every LayerNorm of the tower, as transformers hard-codes it
 
@@ -59,20 +59,6 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class VisionBlock(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=NORM_EPS)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=NORM_EPS)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-
-    def forward(self, x, cos, sin, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchEmbed(nn.Module):
@@ -118,7 +104,8 @@ class Qwen3VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.rotary = VisionRotaryEmbedding(config.hidden_size // config.num_heads, theta)
-        self.blocks = nn.ModuleList([VisionBlock(config) for _ in range(config.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(config, lambda dim: nn.LayerNorm(dim, eps=NORM_EPS), VisionMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act)) for _ in range(config.depth)])
         self.merger = PatchMerger(config, use_postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             [PatchMerger(config, use_postshuffle_norm=True) for _ in self.deepstack_layers])
