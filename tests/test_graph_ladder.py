@@ -172,8 +172,9 @@ def test_a_vl_models_decode_steps_replay_for_text_alone_and_run_eagerly_with_ima
     options = dict(attention_backend="triton", device="cpu", max_model_len=256, max_num_seqs=4, kvcache_block_size=16)
     with LLM(path, **options) as llm:
         assert llm.model_runner.graphs is not None
-        text = llm.generate([[7, 8, 9], [10, 11, 12, 13]], params, use_tqdm=False)
-        assert replays and [o["token_ids"] for o in text] == [greedy_of(hf, p, 6) for p in ([7, 8, 9], [10, 11, 12, 13])]
+        text_prompts = [[7, 8, 9], [10, 11, 12, 13]]
+        text = llm.generate(text_prompts, params, use_tqdm=False)
+        assert replays and [o["token_ids"] for o in text] == [greedy_of(hf, p, 6) for p in text_prompts]
         replays.clear()
         with_image = llm.generate([request], params, use_tqdm=False)[0]["token_ids"]
         assert replays == []

@@ -23,8 +23,8 @@ PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
 
 
 def random_hf_model(**vision_overrides) -> Qwen2_5_VLForConditionalGeneration:
-    return random_vision_language_model(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, {**VISION, **vision_overrides},
-                                        TEXT)
+    return random_vision_language_model(Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                                        {**VISION, **vision_overrides}, TEXT)
 
 
 def tower_of(hf: Qwen2_5_VLForConditionalGeneration) -> Qwen2_5VisionTower:

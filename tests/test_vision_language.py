@@ -262,8 +262,8 @@ def test_chat_with_a_data_url_equals_generate_and_hf(vl_chat):
     with LLM(path, max_model_len=256) as llm:
         chat = llm.chat(chat_messages(data_url(image)), GREEDY, use_tqdm=False)
         plain = llm.generate([request(ids, [image])], GREEDY, use_tqdm=False)[0]
-        offline = llm.chat([template[0], {"role": "user", "content": [{"type": "image", "image": image},
-                                                                      template[1]["content"][1]]}], GREEDY, use_tqdm=False)
+        offline_parts = [{"type": "image", "image": image}, template[1]["content"][1]]
+        offline = llm.chat([template[0], {"role": "user", "content": offline_parts}], GREEDY, use_tqdm=False)
     assert chat["token_ids"] == plain["token_ids"] == offline["token_ids"] == hf_answer(vl_chat, ids, [image])
     with pytest.raises(ValueError, match="image URLs over http"), LLM(path, max_model_len=256) as llm:
         llm.chat(chat_messages("https://example.com/cat.png"), GREEDY)
@@ -312,7 +312,8 @@ def test_the_server_takes_image_url_parts_and_refuses_bad_images(vl_chat, tmp_pa
                                                    temperature=0, extra_body={"ignore_eos": True})
             assert reply.choices[0].message.content == expected, source[:30]
         big = "data:image/png;base64," + base64.b64encode(bytes(30000)).decode()
-        for source, words in (("data:image/png;base64,AAAA", "cannot be decoded"), ("data:image/png;base64,@@", "base64"),
+        for source, words in (("data:image/png;base64,AAAA", "cannot be decoded"),
+                              ("data:image/png;base64,@@", "base64"),
                               ("data:text/plain;base64,AAAA", "data URL of an image"), (big, "--max-image-bytes"),
                               (base + "/big.png", "--max-image-bytes"), (base + "/missing.png", "HTTP 404"),
                               (base + "/redirect", "HTTP 302"), ("http://127.0.0.1:9/x.png", "could not be fetched"),
