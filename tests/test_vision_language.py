@@ -173,6 +173,23 @@ def test_a_chunked_prefill_splits_an_image_and_encodes_it_once(vl, monkeypatch):
     assert calls == [1]
 
 
+def test_a_steps_images_stay_within_the_encoder_budget(vl, monkeypatch):
+    """Two requests of a 36-token image each, 64-token steps: the first step encodes the first image
+    alone (the second's 36 tokens would pass the budget of 64: its chunk ends before its image),
+    the next step the second; both answers HF's."""
+    from nanovllm.models.qwen2_5_vl import VisionLanguageModel as Ours
+    calls = []
+    encode = Ours.encode_images
+    monkeypatch.setattr(Ours, "encode_images", lambda self, pixels, grids: calls.append(len(grids))
+                        or encode(self, pixels, grids))
+    images = [picture(48, 48, 40), picture(48, 48, 41)]
+    prompts = [prompt_with([image], [9, 10, 11]) for image in images]
+    with LLM(vl[0], max_model_len=256, max_num_batched_tokens=64, kvcache_block_size=16) as llm:
+        outputs = llm.generate([request(p, [i]) for p, i in zip(prompts, images)], GREEDY, use_tqdm=False)
+    assert calls == [1, 1]
+    assert [o["token_ids"] for o in outputs] == [hf_answer(vl, p, [i]) for p, i in zip(prompts, images)]
+
+
 def test_images_are_in_the_prefix_cache_keys(vl):
     """The same text with two different images shares no block (each gets its own HF answer); the
     same image and text again reports cached tokens and the same answer."""

@@ -36,9 +36,11 @@ CUDA graphs: a captured decode step rotates by its rows' token positions, so a d
 a sequence with images (whose M-RoPE positions run behind its token positions by its delta) runs
 eagerly; a step of text alone replays its graph.
 
-Not here yet (the issue's rest): an encoder budget per step (a step encodes the images its chunks
-start, at most about its token budget's worth beyond the last), pipeline parallelism, speculative
-decoding, sliding-window layers with images, video.
+Encoder budget: the images a step starts hold at most max_num_batched_tokens tokens
+(MultimodalScheduler), one larger than that alone.
+
+Not here yet (the issue's rest): pipeline parallelism, speculative decoding, sliding-window layers
+with images, video.
 """
 import base64
 import binascii
@@ -322,7 +324,39 @@ class MultimodalScheduledStep(ScheduledStep):
 
 
 class MultimodalScheduler(Scheduler):
+    """The scheduler, with an encoder budget per step: the images a step's chunks start (encoded in
+    that step) hold at most max_num_batched_tokens tokens together, so that the vision tower's work
+    in one step is bounded as the decoder's is. A chunk that would start an image past the budget
+    ends before it; an image larger than the whole budget is encoded alone, in a step that starts
+    no other.
+
+    encoder_budget  image tokens the step being planned may still start"""
     Step = MultimodalScheduledStep
+
+    def schedule(self):
+        self.encoder_budget = self.max_num_batched_tokens
+        return super().schedule()
+
+    def _schedule_one(self, step, seq, budget: int, admitted: bool, num_drafts: int = 0) -> int:
+        if isinstance(seq, MultimodalSequence):
+            budget = self._within_encoder_budget(seq, seq.num_computed_tokens, budget, admitted)
+            if budget == 0:
+                return -1  # (its next image waits for a step with room; the step takes no later sequence)
+        return super()._schedule_one(step, seq, budget, admitted, num_drafts)
+
+    def _within_encoder_budget(self, seq: "MultimodalSequence", start: int, budget: int, admitted: bool) -> int:
+        """budget, cut before the first image the chunk from start would start past the encoder budget
+        (0 if that image is the chunk's first token); the images it encodes taken from the budget:
+        those it starts, and, just admitted, one a prefix-cache hit left it inside of."""
+        end = min(seq.num_tokens, start + budget)
+        for image in seq.images:
+            starts = start <= image.offset < end
+            if not (starts or (admitted and image.offset < start < image.offset + image.length)):
+                continue
+            if image.length > self.encoder_budget and self.encoder_budget < self.max_num_batched_tokens:
+                return max(image.offset - start, 0)
+            self.encoder_budget -= image.length
+        return budget
 
 
 class MultimodalRunner(ModelRunner):

@@ -4,7 +4,8 @@ layers' fields. (Named classes of a module, not made on the fly: the message tra
 tensor-parallel ranks pickled, which finds a class by its name.)"""
 from dataclasses import dataclass
 
-from nanovllm.features.multimodal import MultimodalRunner, MultimodalScheduledStep, MultimodalStepBatch
+from nanovllm.features.multimodal import (MultimodalRunner, MultimodalScheduledStep, MultimodalScheduler,
+                                         MultimodalStepBatch)
 from nanovllm.features.state_cache import StateRunner, StateScheduledStep, StateScheduler, StateStepBatch
 
 
@@ -18,7 +19,7 @@ class MultimodalStateScheduledStep(MultimodalScheduledStep, StateScheduledStep):
     Batch = MultimodalStateStepBatch
 
 
-class MultimodalStateScheduler(StateScheduler):
+class MultimodalStateScheduler(MultimodalScheduler, StateScheduler):
     Step = MultimodalStateScheduledStep
 
 
