@@ -16,10 +16,13 @@ from nanovllm.models import resolve_model_class
 
 def group_classes(config, runner_class: type, scheduler_class: type) -> tuple[type, type, object]:
     classes = layer_group_classes(config, runner_class, scheduler_class)
-    if getattr(resolve_model_class(config.hf_config), "takes_images", False):
-        from nanovllm.features.multimodal import multimodal_classes
-        classes = multimodal_classes(config, *classes)
-    return classes
+    if not getattr(resolve_model_class(config.hf_config), "takes_images", False):
+        return classes
+    if "linear_attention" in (getattr(config.hf_config, "layer_types", None) or ()):  # (Qwen3.5 with images)
+        from nanovllm.features.multimodal_state import MultimodalStateRunner, MultimodalStateScheduler
+        return MultimodalStateRunner, MultimodalStateScheduler, classes[2]
+    from nanovllm.features.multimodal import multimodal_classes
+    return multimodal_classes(config, *classes)
 
 
 def layer_group_classes(config, runner_class: type, scheduler_class: type) -> tuple[type, type, object]:

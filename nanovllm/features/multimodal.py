@@ -278,13 +278,9 @@ def decode_image(raw: bytes, where: str):
 # ---- steps -------------------------------------------------------------------------------------
 def multimodal_classes(config, runner_class: type, scheduler_class: type, block_manager_class: type
                        ) -> tuple[type, type, type]:
-    """The runner, scheduler and block manager of a model that takes images, over those its layers
-    need (the plain ones, or the state cache's: features/multimodal_state.py; tensor-parallel ranks
-    too), or a ValueError for an option they do not support yet."""
-    from nanovllm.features.state_cache import StateRunner
-    if runner_class is StateRunner:  # (Qwen3.5 with images)
-        from nanovllm.features.multimodal_state import MultimodalStateRunner, MultimodalStateScheduler
-        return MultimodalStateRunner, MultimodalStateScheduler, block_manager_class
+    """The runner, scheduler and block manager of a model that takes images, over the plain ones
+    (tensor-parallel ranks too; over the state cache's: features/multimodal_state.py), or a
+    ValueError for an option they do not support yet."""
     if runner_class is not ModelRunner or scheduler_class is not Scheduler:
         raise ValueError("image input is not supported yet with speculative decoding, pipeline parallelism or "
                          "sliding-window layers")
