@@ -260,7 +260,7 @@ def test_gemma3_drafts_for_itself_with_every_draft_accepted(gemma_dir, prompts, 
 def test_the_multimodal_checkpoints_run_their_text_model(tmp_path, prompts):
     """Gemma3ForConditionalGeneration (the 4B-27B checkpoints): config.json's text_config, the text
     weights under model.language_model.*, the vision tower and projector skipped; greedy text equals
-    Hugging Face's for the whole model, prompts many windows long."""
+    Hugging Face's for the whole model, prompts many windows long; an image is refused."""
     import transformers
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
@@ -269,6 +269,12 @@ def test_the_multimodal_checkpoints_run_their_text_model(tmp_path, prompts):
                                transformers.Gemma3ForConditionalGeneration, LAYERS, vision_config=vision,
                                mm_tokens_per_image=4, image_token_index=500, boi_token_index=501, eoi_token_index=502)
     assert assert_text_equals_hf_model(hf, path, prompts[3:6]) == "Gemma3ForConditionalGeneration"
+    # its vision tower does not run here: an image is refused by name, not ignored
+    import numpy as np
+    from PIL import Image
+    image = Image.fromarray(np.zeros((28, 28, 3), dtype=np.uint8))
+    with LLM(path, max_model_len=128) as llm, pytest.raises(ValueError, match="takes no images here"):
+        llm.generate([{"prompt_token_ids": [1, 500, 2], "multi_modal_data": {"image": image}}], GREEDY)
 
 
 def test_a_captured_decode_step_reads_the_window_tables(gemma_dir, prompts):

@@ -147,6 +147,16 @@ def image_processing(model: str) -> ImageProcessing:
     return ImageProcessing(model)
 
 
+def images_for(config) -> ImageProcessing:
+    """The engine's model's image side, or a ValueError when it takes no images (a text model, or a
+    multimodal checkpoint whose vision tower the engine does not run: Gemma 3's)."""
+    from nanovllm.models import resolve_model_class
+    if not getattr(resolve_model_class(config.hf_config), "takes_images", False):
+        raise ValueError(f"{config.model!r} takes no images here ({config.hf_config.architectures[0]} runs its text "
+                         f"alone); the models that do: Qwen2.5-VL, Qwen3-VL, Qwen3.5")
+    return image_processing(config.model)
+
+
 def encode_multimodal(frontend, prompt: dict) -> list[int]:
     """A dict prompt {"prompt" or "prompt_token_ids", "multi_modal_data": {"image": ...}} as token
     ids (a MultimodalPrompt when it has images), or a TypeError / ValueError naming the problem."""
@@ -168,7 +178,7 @@ def encode_multimodal(frontend, prompt: dict) -> list[int]:
     for image in images:
         if not isinstance(image, (Image.Image, np.ndarray, torch.Tensor)):
             raise TypeError(f"an image must be a PIL image, a numpy array or a tensor, got {type(image).__name__}")
-    return expand_images(image_processing(frontend.config.model), ids, images, frontend.config.max_model_len)
+    return expand_images(images_for(frontend.config), ids, images, frontend.config.max_model_len)
 
 
 def expand_images(processing: ImageProcessing, ids: list[int], images: list, max_model_len: int) -> MultimodalPrompt:
@@ -218,7 +228,7 @@ def chat_images(frontend, messages: list[dict], load_url=None) -> tuple[list[dic
     the image's placeholder), and the images in order. load_url(url, where) reads an image_url
     (default image_from_url: data URLs; the server's entrypoints/media.py fetches allowed http(s)
     ones too). A ValueError names a bad part, or a model that takes no images (before any is read)."""
-    image_processing(frontend.config.model)
+    images_for(frontend.config)
     rendered, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
