@@ -61,7 +61,8 @@ class FlaDeltaRule:
 
     def _prefill(self, layer, mixed, g, beta, weight, context, states) -> torch.Tensor:
         cu_cpu = context.cu_seqlens_q_cpu or [0, mixed.shape[0]]
-        cu = to_device(np.asarray(cu_cpu, dtype=np.int64), mixed.device)
+        cu_host = np.asarray(cu_cpu, dtype=np.int64)
+        cu = to_device(cu_host, mixed.device)
         rows = states.rows if states is not None else None
         splits = _snapshot_splits(context, cu_cpu, states)
         kernel = layer.kernel_size
@@ -75,7 +76,7 @@ class FlaDeltaRule:
             layer.conv_state[rows] = conv_final[..., 1:]
         q, k, v = _heads(layer, conv_out)                                              # [1, T, H, D]
         initial = layer.ssm_state[rows] if rows is not None else None
-        out, final = _delta_rule(layer, q, k, v, g[None], beta[None], cu_cpu, initial, splits)
+        out, final = _delta_rule(layer, q, k, v, g[None], beta[None], cu_host, cu, initial, splits)
         if rows is not None:
             layer.ssm_state[rows] = final
         return out[0]
@@ -86,8 +87,8 @@ def _heads(layer: GatedDeltaNet, conv_out: torch.Tensor):
     key_dim = layer.num_k_heads * layer.head_k_dim
     q, k, v = conv_out.split([key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], -1)
     lead = conv_out.shape[:-1]
-    return (q.reshape(*lead, layer.num_k_heads, layer.head_k_dim), k.reshape(*lead, layer.num_k_heads, layer.head_k_dim),
-            v.reshape(*lead, layer.num_v_heads, layer.head_v_dim))
+    key_shape = (*lead, layer.num_k_heads, layer.head_k_dim)
+    return q.reshape(key_shape), k.reshape(key_shape), v.reshape(*lead, layer.num_v_heads, layer.head_v_dim)
 
 
 def _snapshot_splits(context: Context, cu_cpu: list[int], states: StateStep | None) -> dict[int, tuple[int, int]]:
@@ -98,31 +99,32 @@ def _snapshot_splits(context: Context, cu_cpu: list[int], states: StateStep | No
             for i, (position, slot) in states.saves.items()}
 
 
-def _delta_rule(layer, q, k, v, g, beta, cu_cpu, initial, splits):
-    """The chunked delta rule over the step's sequences -> (out [1, T, Hv, Dv], final states [N]),
-    each snapshot written to its slot on the way: heads first, then tails (see the docstring)."""
-    run = lambda index, cu, state: chunk_gated_delta_rule(
-        q[:, index], k[:, index], v[:, index], g[:, index], beta[:, index], scale=layer.head_k_dim ** -0.5,
-        initial_state=state, output_final_state=state is not None, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=to_device(cu, q.device), cu_seqlens_cpu=torch.from_numpy(cu))
-    ends = np.asarray(cu_cpu[1:], dtype=np.int64)
-    starts = np.asarray(cu_cpu[:-1], dtype=np.int64)
+def _delta_rule(layer, q, k, v, g, beta, cu: np.ndarray, cu_device: torch.Tensor, initial, splits):
+    """The chunked delta rule over the step's sequences (cu: their offsets, on the host and the
+    device) -> (out [1, T, Hv, Dv], final states [N]), each snapshot written to its slot on the way:
+    heads first, then tails (see the docstring)."""
+    def run(index, cu: np.ndarray, cu_device: torch.Tensor, state):
+        return chunk_gated_delta_rule(
+            q[:, index], k[:, index], v[:, index], g[:, index], beta[:, index], scale=layer.head_k_dim ** -0.5,
+            initial_state=state, output_final_state=state is not None, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_device, cu_seqlens_cpu=torch.from_numpy(cu))
+
+    starts, ends = cu[:-1], cu[1:]
     head_ends = starts + np.asarray([splits[i][0] if i in splits else end - start
                                      for i, (start, end) in enumerate(zip(starts, ends))], dtype=np.int64)
     tails = [i for i in splits if head_ends[i] < ends[i]]
-    if not tails:  # (the common step: one launch over the flat tokens as they are)
-        out, final = run(slice(None), np.asarray(cu_cpu, dtype=np.int64), initial)
-        for i, (_, slot) in splits.items():
-            layer.ssm_state[slot] = final[i]
-        return out, final
-    out = torch.empty_like(v)
-    head_index = np.concatenate([np.arange(s, e) for s, e in zip(starts, head_ends)])
-    head_index_t = to_device(head_index, q.device)
-    out[:, head_index_t], final = run(head_index_t, np.concatenate([[0], np.cumsum(head_ends - starts)]), initial)
+    if tails:
+        out = torch.empty_like(v)
+        head_index = to_device(np.concatenate([np.arange(s, e) for s, e in zip(starts, head_ends)]), q.device)
+        head_cu = np.concatenate([[0], np.cumsum(head_ends - starts)])
+        out[:, head_index], final = run(head_index, head_cu, to_device(head_cu, q.device), initial)
+    else:  # (the common step: one launch over the flat tokens as they are)
+        out, final = run(slice(None), cu, cu_device, initial)
     for i, (_, slot) in splits.items():
         layer.ssm_state[slot] = final[i]
-    tail_index = to_device(np.concatenate([np.arange(head_ends[i], ends[i]) for i in tails]), q.device)
-    tail_cu = np.concatenate([[0], np.cumsum([ends[i] - head_ends[i] for i in tails])])
-    tail_rows = to_device(np.asarray(tails, dtype=np.int64), q.device)
-    out[:, tail_index], final[tail_rows] = run(tail_index, tail_cu, final[tail_rows])
+    if tails:
+        tail_index = to_device(np.concatenate([np.arange(head_ends[i], ends[i]) for i in tails]), q.device)
+        tail_cu = np.concatenate([[0], np.cumsum([ends[i] - head_ends[i] for i in tails])])
+        tail_rows = to_device(np.asarray(tails, dtype=np.int64), q.device)
+        out[:, tail_index], final[tail_rows] = run(tail_index, tail_cu, to_device(tail_cu, q.device), final[tail_rows])
     return out, final
