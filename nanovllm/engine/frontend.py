@@ -77,7 +77,7 @@ class Frontend:
             bad = next((t for t in prompt if not is_integer(t)), None)
             if bad is not None:
                 raise TypeError(f"a prompt's token ids must be ints, got {bad!r} of type {type(bad).__name__}")
-            ids = prompt if hasattr(prompt, "images") else [operator.index(t) for t in prompt]  # (with images: kept)
+            ids = prompt if hasattr(prompt, "sequence_class") else [operator.index(t) for t in prompt]  # (images)
         else:
             raise TypeError(f"a prompt must be a str, a list of int token ids or a dict, got {type(prompt).__name__}")
         if not ids:

@@ -57,6 +57,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_batch import StepBatch
+from nanovllm.models import resolve_model_class
 from nanovllm.models.qwen2_5_vl import MultimodalStep
 from nanovllm.utils.context import to_device
 
@@ -96,21 +97,31 @@ class MultimodalSequence(Sequence):
         super().__init__(prompt, *args, **kwargs)
         self.images, self.mrope_positions, self.mrope_delta = prompt.images, prompt.positions, prompt.delta
 
+    def images_in(self, start: int, end: int):
+        """(image, first, end) for each image with placeholder tokens in [start, end): those tokens."""
+        for image in self.images:
+            first, last = max(start, image.offset), min(end, image.offset + image.length)
+            if first < last:
+                yield image, first, last
+
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         start = i * block_size
         tokens = self.token_ids[start:start + block_size]
-        for image in self.images:
-            first, end = max(start, image.offset), min(start + block_size, image.offset + image.length)
-            if first < end:
-                tokens[first - start:end - start] = [-1 - image.key] * (end - first)
+        for image, first, end in self.images_in(start, start + block_size):
+            tokens[first - start:end - start] = [-1 - image.key] * (end - first)
         return tokens
 
     def rope_positions(self, start: int, n: int) -> np.ndarray:
         """[3, n] int64: the M-RoPE positions of tokens start .. start + n - 1."""
         prompt = self.mrope_positions.shape[1]
         inside = self.mrope_positions[:, start:min(start + n, prompt)]
-        after = np.arange(max(start, prompt), start + n) + self.mrope_delta
-        return np.concatenate([inside, np.broadcast_to(after, (3, len(after)))], 1)
+        after = max(start, prompt)  # (the completion's tokens, if the span reaches them)
+        return np.concatenate([inside, text_positions(after + self.mrope_delta, max(0, start + n - after))], 1)
+
+
+def text_positions(start: int, n: int) -> np.ndarray:
+    """[3, n]: n text tokens' M-RoPE positions from start, the same in all three grids."""
+    return np.broadcast_to(np.arange(start, start + n), (3, n))
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -150,7 +161,6 @@ def image_processing(model: str) -> ImageProcessing:
 def images_for(config) -> ImageProcessing:
     """The engine's model's image side, or a ValueError when it takes no images (a text model, or a
     multimodal checkpoint whose vision tower the engine does not run: Gemma 3's)."""
-    from nanovllm.models import resolve_model_class
     if not getattr(resolve_model_class(config.hf_config), "takes_images", False):
         raise ValueError(f"{config.model!r} takes no images here ({config.hf_config.architectures[0]} runs its text "
                          f"alone); the models that do: Qwen2.5-VL, Qwen3-VL, Qwen3.5")
@@ -209,14 +219,14 @@ def mrope_positions(num_tokens: int, images: list[ImageInput], merge: int) -> np
     pieces, position, cursor = [], 0, 0
     for image in images:
         text = image.offset - cursor
-        pieces.append(np.broadcast_to(np.arange(position, position + text), (3, text)))
+        pieces.append(text_positions(position, text))
         position += text
         t, h, w = image.grid_thw[0], image.grid_thw[1] // merge, image.grid_thw[2] // merge
         grids = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
         pieces.append(np.stack(grids).reshape(3, -1) + position)
         position += max(h, w)
         cursor = image.offset + image.length
-    pieces.append(np.broadcast_to(np.arange(position, position + num_tokens - cursor), (3, num_tokens - cursor)))
+    pieces.append(text_positions(position, num_tokens - cursor))
     return np.concatenate(pieces, 1).astype(np.int64)
 
 
@@ -239,7 +249,8 @@ def chat_images(frontend, messages: list[dict], load_url=None) -> tuple[list[dic
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "image_url":
-                url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else None
                 images.append((load_url or image_from_url)(url, f"messages[{i}].content[{j}]"))
             elif kind == "image":
                 images.append(part.get("image"))
@@ -317,13 +328,11 @@ class MultimodalScheduledStep(ScheduledStep):
         positions, flat = [], 0
         for seq, start, n in zip(self.seqs, self.starts, self.num_new):
             if not isinstance(seq, MultimodalSequence):
-                positions.append(np.broadcast_to(np.arange(start, start + n), (3, n)))
+                positions.append(text_positions(start, n))
             else:
                 positions.append(seq.rope_positions(start, n))
-                for image in seq.images:
-                    first, end = max(start, image.offset), min(start + n, image.offset + image.length)
-                    if first < end:
-                        batch.image_spans.append((flat + first - start, image, first - image.offset, end - first))
+                for image, first, end in seq.images_in(start, start + n):
+                    batch.image_spans.append((flat + first - start, image, first - image.offset, end - first))
             flat += n
         batch.rope_positions = np.concatenate(positions, 1)
         return batch

@@ -62,11 +62,10 @@ def _plan(model: nn.Module, pairs) -> list[tuple]:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"update_weights takes (str, torch.Tensor) pairs, got ({type(name).__name__}, "
                             f"{type(tensor).__name__})")
-        parts = [(name, tensor)]
-        if _target(model, name)[0] not in params and name.endswith(FUSED_EXPERTS) and tensor.dim() == 3:
-            parts = list(per_expert(name, tensor))
-        for part_name, part in parts:
-            target, shard_id = _target(model, part_name)
+        targets = [(*_target(model, name), tensor)]
+        if targets[0][0] not in params and name.endswith(FUSED_EXPERTS) and tensor.dim() == 3:
+            targets = [(*_target(model, part_name), part) for part_name, part in per_expert(name, tensor)]
+        for target, shard_id, part in targets:
             if target not in params:
                 raise ValueError(f"update_weights: {name!r} is not a weight of this model")
             plan.append((name, target, shard_id, part.detach(), params[target]))

@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, rope_parameters
 from nanovllm.layers.transformer import head_dim_of
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
 from nanovllm.utils.parallel import HeldElsewhere
 
 
@@ -105,17 +106,22 @@ class VisionLanguageModel:
         out = self.visual(pixel_values.to(self.model.embed_tokens.weight.dtype), grid_thw)
         return torch.cat([out[0], *out[1]], -1) if isinstance(out, tuple) else out
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual, step = self.model.embed_tokens(input_ids), None, self.multimodal_step
-        features = []
+    def embed_step(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """The step's embeddings, the image embeddings at its placeholder tokens; its positions (M-RoPE's
+        [3, T] with images); and the DeepStack features of those tokens, one per layer it goes into."""
+        hidden, step, features = self.model.embed_tokens(input_ids), self.multimodal_step, []
         if step is not None:
             positions = step.positions
             if step.slots is not None:
                 hidden[step.slots], *features = step.embeddings.to(hidden.dtype).chunk(1 + self.num_deepstack, -1)
+        return hidden, positions, features
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        (hidden, positions, features), residual = self.embed_step(input_ids, positions), None
         for i, layer in enumerate(self.model.layers):
             hidden, residual = layer(positions, hidden, residual)
             if i < len(features):  # (DeepStack: into the residual stream, hidden + residual, after layer i)
-                hidden[step.slots] += features[i]
+                hidden[self.multimodal_step.slots] += features[i]
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
@@ -123,6 +129,5 @@ class VisionLanguageModel:
 class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, Qwen2ForCausalLM):
     def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
         super().__init__(config, max_position)
-        from nanovllm.models.qwen2_5_vl_vision import Qwen2_5VisionTower
         rotary = MRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
         self.attach_vision(rotary, vision_config, Qwen2_5VisionTower)

@@ -15,6 +15,7 @@ from nanovllm.layers.transformer import head_dim_of
 from nanovllm.models.qwen2_5_vl import VisionLanguageModel, mrope_cos_sin, mrope_grids
 from nanovllm.models.qwen3_5 import PartialRotaryEmbedding, Qwen3_5ForCausalLM
 from nanovllm.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from nanovllm.models.qwen3_vl_vision import Qwen3VisionTower
 
 DEFAULT_MROPE_SECTION = [11, 11, 10]  # (transformers' Qwen3_5TextRotaryEmbedding's)
 
@@ -40,16 +41,11 @@ class Qwen3_5VisionLanguage(VisionLanguageModel):
 
     def __init__(self, config: PretrainedConfig, max_position: int, vision_config: PretrainedConfig | None = None):
         super().__init__(config, max_position)
-        from nanovllm.models.qwen3_vl_vision import Qwen3VisionTower
         rotary = PartialMRotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config))
         self.attach_vision(rotary, vision_config, Qwen3VisionTower)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, step = self.model.embed_tokens(input_ids), self.multimodal_step
-        if step is not None:
-            positions = step.positions
-            if step.slots is not None:
-                hidden[step.slots] = step.embeddings.to(hidden.dtype)
+        hidden, positions, _ = self.embed_step(input_ids, positions)  # (no DeepStack in Qwen3.5's tower)
         for layer in self.model.layers:
             hidden = layer(positions, hidden)
         return self.model.norm(hidden)
