@@ -61,6 +61,8 @@ class Config:
     kv_offloading_size: GiB of host memory, over all ranks, for a second tier of the prefix cache
         (features/host_tier.py); 0: off.  preemption_mode: "recompute" (a preempted sequence's
         tokens are computed again) or "swap" (its blocks kept in the host tier).
+    batch_invariant: a sequence's tokens and logprobs bitwise the same whatever else is in the
+        batch and however its prompt is chunked (features/batch_invariant.py: fixed tilings; slower).
     """
     model: str
     device: str | None = None
@@ -88,6 +90,7 @@ class Config:
     quantization: str | None = None
     kv_offloading_size: float = 0
     preemption_mode: str = "recompute"
+    batch_invariant: bool = False
     speculative: "SpeculativeConfig | None" = field(init=False, default=None)
     quant_config: "QuantizationConfig | None" = field(init=False, default=None)
     draft_hf_config: PretrainedConfig | None = field(init=False, default=None, repr=False)
@@ -156,7 +159,7 @@ class Config:
             raise TypeError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling"):
+        for name in ("enforce_eager", "enable_prefix_caching", "async_scheduling", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -20,7 +20,33 @@ class LLM(LLMEngine):
         from nanovllm.features.weight_updates import update_weights  # (RL rollouts': loaded when used)
         return update_weights(self, named_tensors)
 
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Every tensor of a checkpoint folder's *.safetensors into the model, as update_weights."""
+        from nanovllm.features.weight_updates import update_weights_from_disk
+        return update_weights_from_disk(self, model_path)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str | None = None, timeout_s: float = 60.0):
+        """Join a trainer's torch.distributed group (its rank 0; this engine's ranks from rank_offset)."""
+        from nanovllm.features.weight_sync import init_weight_update_group  # (RL rollouts': loaded when used)
+        init_weight_update_group(self, master_address, master_port, rank_offset, world_size, backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list) -> int:
+        """Receive the trainer's broadcast of these tensors, in order, into the model, as update_weights."""
+        from nanovllm.features.weight_sync import update_weights_from_distributed
+        return update_weights_from_distributed(self, names, dtypes, shapes)
+
     def reset_prefix_cache(self):
         """Forget every cached prefix (the engine idle), as after new weights."""
         from nanovllm.features.weight_updates import reset_prefix_cache
         reset_prefix_cache(self)
+
+    def sleep(self, level: int = 1):
+        """Free the KV cache (level 1: weights to host memory; 2: weights dropped) until wake_up()."""
+        from nanovllm.features.sleep_mode import sleep  # (RL rollouts': loaded when used)
+        sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None):
+        """Back from sleep(): tags "weights", "kv_cache" (None: both), as vLLM's."""
+        from nanovllm.features.sleep_mode import wake_up
+        wake_up(self, tags)

@@ -48,6 +48,9 @@ class LLMEngine(Frontend):
         if getattr(resolve_model_class(config.hf_config), "engine_layers", False):  # layers of other kinds, images
             from nanovllm.features.layer_groups import group_classes  # (a layer: loaded when a model asks)
             runner_class, scheduler_class, block_manager_class = group_classes(config, runner_class, scheduler_class)
+        if config.batch_invariant:  # GEMMs and attention of fixed tilings
+            from nanovllm.features.batch_invariant import invariant_runner  # (a layer: loaded when asked for)
+            runner_class = invariant_runner(runner_class)
         workers = None
         if config.world_size > 1:  # ranks 1.. in processes of their own, each with a runner_class
             from nanovllm.engine.workers import start_workers  # (tensor parallelism's: loaded when asked for)
@@ -64,6 +67,7 @@ class LLMEngine(Frontend):
         # it cannot be planned before they are in; a draft model's positions are not on the device.
         self.overlap = config.async_scheduling and config.speculative is None
         self.recorder = None  # bench.py's StepRecorder, when attached (attach_recorder)
+        self.asleep = 0  # sleep()'s level while asleep (features/sleep_mode.py), 0 awake
         self._log_summary()
 
     def _log_summary(self):
@@ -91,6 +95,7 @@ class LLMEngine(Frontend):
     # ---- requests -----------------------------------------------------------------------------
     def _make_request(self, prompt, sampling_params: SamplingParams, index: int, stream: bool) -> list[Sequence]:
         """Validate one request and build its n samples (2..n ride on the first as forks); none queued."""
+        self.check_awake()
         ids = self.encode_prompt(prompt)
         self.check_request(len(ids), sampling_params)
         grammar = (self.grammar_compiler().compile_request(sampling_params)
@@ -199,6 +204,10 @@ class LLMEngine(Frontend):
             if seq.inbox is not None:
                 seq.inbox.append(seq)
 
+    def check_awake(self):
+        if self.asleep:
+            raise RuntimeError(f"the engine is asleep (sleep(level={self.asleep})): call wake_up() first")
+
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.in_flight is None
 
@@ -265,6 +274,7 @@ class LLMEngine(Frontend):
         return self._stream(requests)
 
     def _stream(self, requests: list[list[Sequence]]):
+        self.check_awake()  # (asleep since the call?)
         for samples in requests:
             self.scheduler.add(samples[0])
         for updated in self._run([seq for samples in requests for seq in samples]):

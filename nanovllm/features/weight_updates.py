@@ -15,40 +15,105 @@ emptied after an update: every cached block forgets its key, the host tier its e
 cache its snapshots, the window pool its keys. Both need the engine idle (no request in flight):
 an update between a request's steps would mix two models in one completion.
 
-Not here yet: quantized checkpoints (their layers would have to be quantized again), tensor
-parallelism (each rank's shard), updates over torch.distributed, sleep and wake, batch invariance.
+With tensor parallelism rank 0 checks the tensors, then every rank loads them into its shard
+(each parameter's weight_loader takes its rank's slice): the workers get CPU copies through their
+pipes, or a checkpoint's folder to read themselves (update_weights_from_disk); a trainer's group
+over torch.distributed is features/weight_sync.py's. Not here: quantized checkpoints (their layers
+would have to be quantized again) and pipeline parallelism (a stage holds some layers' weights).
 """
+import glob
+import os
+
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.utils.loader import ShapeMismatch, load_param
+from nanovllm.utils.loader import IGNORED_TENSOR_SUFFIXES, ShapeMismatch, load_param
 
 
 def update_weights(llm, named_tensors) -> int:
-    """Load (name, tensor) pairs (or a dict) into llm's model in place, then reset the prefix cache;
-    returns how many parameter loads that took (a fused experts tensor: one per expert and part).
-    TypeError / ValueError, before any change, for a name the model has no weight for, a wrong
-    shape, or an engine that cannot take an update now."""
-    check_idle(llm, "update_weights")
-    config = llm.config
-    if config.world_size > 1:
-        raise ValueError("update_weights is not supported yet with tensor or pipeline parallelism")
-    if config.quant_config is not None:
-        raise ValueError(f"update_weights is not supported for a quantized model "
-                         f"({config.quant_config.method!r}: its layers would have to be quantized again)")
-    model = llm.model_runner.model
-    plan = _plan(model, named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-    for name, target, shard_id, tensor, param in plan:  # (into scratch copies: nothing changes on an error)
+    """Load (name, tensor) pairs (or a dict) into llm's model in place, on every rank, then reset
+    the prefix cache; returns how many parameter loads that took (a fused experts tensor: one per
+    expert and part). TypeError / ValueError, before any change, for a name the model has no weight
+    for, a wrong shape, or an engine that cannot take an update now."""
+    return _update(llm, "update_weights", list(named_tensors.items() if isinstance(named_tensors, dict)
+                                               else named_tensors))
+
+
+def update_weights_from_disk(llm, model_path: str) -> int:
+    """Every tensor of the *.safetensors files in model_path, as update_weights (the workers read
+    the files themselves). ValueError, before any change, for a folder without them or a bad tensor."""
+    return _update(llm, "update_weights_from_disk", checkpoint_tensors(model_path), model_path)
+
+
+def _update(llm, what: str, pairs: list, for_workers: str | None = None) -> int:
+    """Check pairs on rank 0 into scratch copies (nothing changes on an error), then load them in
+    place on every rank (the workers: CPU copies of pairs, a pickled tensor travels through their
+    pipe; or for_workers, the checkpoint's folder), then reset the prefix cache."""
+    check_updatable(llm, what)
+    if llm.asleep:  # the weights back first (after sleep(level=2): the checkpoint's), the KV cache stays asleep
+        from nanovllm.features.sleep_mode import wake_up
+        wake_up(llm, ["weights"])
+    runner = llm.model_runner
+    plan = load_param_check(runner.model, pairs, what)
+    if runner.workers is not None:
+        runner.workers.call(load_in_place, for_workers or [(name, t.detach().cpu()) for name, t in pairs])
+    _load_plan(runner.model, plan)
+    reset_prefix_cache(llm)
+    return len(plan)
+
+
+def load_param_check(model: nn.Module, pairs: list, what: str) -> list[tuple]:
+    """The plan of pairs (_plan), each tensor loaded into a scratch copy of its parameter: a wrong
+    shape is a ValueError naming it, and nothing has changed."""
+    plan = _plan(model, pairs)
+    for name, target, shard_id, tensor, param in plan:
         try:
             load_param(model, target, nn.Parameter(torch.empty_like(param), requires_grad=False), tensor, shard_id)
         except ShapeMismatch as e:
-            raise ValueError(f"update_weights: {name!r}: {e}") from e
+            raise ValueError(f"{what}: {name!r}: {e}") from e
+    return plan
+
+
+def check_updatable(llm, what: str):
+    check_idle(llm, what)
+    config = llm.config
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"{what} is not supported yet with pipeline parallelism")
+    if config.quant_config is not None:
+        raise ValueError(f"{what} is not supported for a quantized model "
+                         f"({config.quant_config.method!r}: its layers would have to be quantized again)")
+
+
+def load_in_place(runner, source):
+    """A rank's part of an update: source, (name, tensor) pairs or a checkpoint folder, into its
+    shard of the weights (rank 0 checked them first)."""
+    pairs = checkpoint_tensors(source) if isinstance(source, str) else source
+    _load_plan(runner.model, _plan(runner.model, pairs))
+
+
+def _load_plan(model: nn.Module, plan: list[tuple]):
     with torch.no_grad():
         for _, target, shard_id, tensor, param in plan:
             load_param(model, target, param, tensor, shard_id)
-    reset_prefix_cache(llm)
-    return len(plan)
+
+
+def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the *.safetensors files of folder path (on the host)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"model_path must be a path, got {type(path).__name__}")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {os.fspath(path)!r}")
+    pairs = []
+    for file in files:
+        try:
+            with safe_open(file, "pt", "cpu") as f:
+                pairs += [(name, f.get_tensor(name)) for name in f.keys() if not name.endswith(IGNORED_TENSOR_SUFFIXES)]
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read weights file {file!r}: {e}") from e
+    return pairs
 
 
 def _plan(model: nn.Module, pairs) -> list[tuple]:
@@ -119,3 +184,11 @@ def forget_cached_blocks(manager: BlockManager):
     window = getattr(manager, "window", None)  # (features/window_blocks.py's pool of its own)
     if isinstance(window, BlockManager):
         forget_cached_blocks(window)
+
+
+def on_every_rank(llm, function, *args):
+    """function(runner, *args) on every rank: the workers' first (they run it while rank 0 does)."""
+    runner = llm.model_runner
+    if runner.workers is not None:
+        runner.workers.call(function, *args)
+    function(runner, *args)
