@@ -38,7 +38,7 @@ class LLM(LLMEngine):
 
     def reset_prefix_cache(self):
         """Forget every cached prefix (the engine idle), as after new weights."""
-        from nanovllm.features.weight_updates import reset_prefix_cache
+        from nanovllm.features.idle_engine import reset_prefix_cache
         reset_prefix_cache(self)
 
     def sleep(self, level: int = 1):

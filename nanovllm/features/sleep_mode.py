@@ -6,7 +6,7 @@ trainer between rollouts).
     llm.wake_up()        # both back (or tags=["weights"] first, to update them before the KV cache returns)
 
 A request while asleep is a RuntimeError at once (LLMEngine.check_awake). The KV computed before the
-sleep is gone, so the prefix cache forgets every block (weight_updates.forget_cached_blocks).
+sleep is gone, so the prefix cache forgets every block (idle_engine.forget_cached_blocks).
 
 How memory is freed: each buffer's storage is resized to 0 bytes, and back at wake-up
 (`untyped_storage().resize_`). The tensor objects stay, and with them every view the layers hold
@@ -31,7 +31,7 @@ from time import perf_counter
 
 import torch
 
-from nanovllm.features.weight_updates import check_idle, forget_cached_blocks, on_every_rank
+from nanovllm.features.idle_engine import check_idle, forget_cached_blocks, on_every_rank
 
 logger = logging.getLogger(__name__)
 

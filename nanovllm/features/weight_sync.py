@@ -28,8 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nanovllm.features.weight_updates import _load_plan, _plan, check_updatable, load_param_check, on_every_rank, \
-    reset_prefix_cache
+from nanovllm.features.idle_engine import on_every_rank, reset_prefix_cache
+from nanovllm.features.weight_updates import _load_plan, _plan, check_updatable, load_param_check
 
 logger = logging.getLogger(__name__)
 
