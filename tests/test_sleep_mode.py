@@ -133,3 +133,28 @@ def test_tensor_parallel_ranks_sleep_and_wake(tiny_models, prompts, reference):
         llm.sleep(level=2)
         llm.wake_up()  # (every rank reloads its shard of A)
         assert outputs(llm, prompts[:4]) == before == [reference(a, p, 12) for p in prompts[:4]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_sleep_frees_the_device_memory_and_the_graphs_are_captured_again(tiny_models, prompts):
+    """Level 1 frees the KV cache and the weights' device memory (their bytes in host copies), and the
+    CUDA graphs, captured over the old addresses, are captured again at wake-up: the output after
+    equals the output before, bitwise the same tokens; level 2 reloads the checkpoint."""
+    a = tiny_models(MODELS, "qwen3_a")
+    with LLM(a, max_model_len=400, num_kvcache_blocks=4096, attention_backend="triton") as llm:
+        runner = llm.model_runner
+        before = outputs(llm, prompts[:6])
+        graphs = runner.graphs
+        assert graphs is not None
+        freed = runner.kv_cache.nbytes + sum(p.untyped_storage().nbytes() for p in runner.model.parameters())
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_allocated()
+        llm.sleep(level=1)
+        assert used - torch.cuda.memory_allocated() >= 0.99 * freed and runner.graphs is None
+        llm.wake_up()
+        assert runner.graphs is not None and runner.graphs is not graphs
+        assert outputs(llm, prompts[:6]) == before
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert outputs(llm, prompts[:6]) == before
