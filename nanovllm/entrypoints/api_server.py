@@ -6,6 +6,19 @@
     POST /v1/chat/completions    messages, rendered by the tokenizer's chat template
     GET  /metrics                Prometheus metrics (entrypoints/metrics.py)
 
+An RL trainer's operations on the engine (behind the API key too; each answers {"success": true, ...}):
+
+    POST /update_weights_from_disk  {"model_path": DIR}: its *.safetensors into the model, between calls
+    POST /reset_prefix_cache        every cached prefix forgotten
+    POST /sleep                     {"level": 1 | 2} (optional): the KV cache (and, 2, the weights) freed
+    POST /wake_up                   {"tags": ["weights", "kv_cache"]} (optional): back from sleep
+    GET  /is_sleeping               {"is_sleeping": bool}
+
+A weight update waits for the requests in the engine to finish on the old weights and holds back those
+that come meanwhile, which then run on the new ones: no response mixes two versions of the weights (see
+async_engine.Operation). A bad checkpoint is a 400, and the old weights go on serving. From /sleep until
+the engine is awake, a completion is a 503 with Retry-After.
+
 Concurrent requests share the engine's continuous batching (entrypoints/async_engine.py). Errors have
 OpenAI's shape, {"error": {"message", "type", "param", "code"}}: a client's mistake is a 4xx naming the
 field, never a 500, and never disturbs the other requests.
@@ -34,15 +47,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.frontend import PromptTooLong
 from nanovllm.entrypoints.args import llm_from_args, options_from_args
-from nanovllm.entrypoints.async_engine import (AsyncEngine, ChatPrompt, EngineDead, QueueFull, ShuttingDown, TooLarge,
-                                               updates)
+from nanovllm.entrypoints.async_engine import (AsyncEngine, Asleep, ChatPrompt, EngineDead, QueueFull, ShuttingDown,
+                                               TooLarge, Unsupported, updates)
 from nanovllm.features.structured_outputs import grammar_threads, import_xgrammar
 from nanovllm.entrypoints.metrics import ServingMetrics
 from nanovllm.entrypoints.media import ImageURLs
 from nanovllm.entrypoints.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 from nanovllm.entrypoints.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                           SamplingRequest, inline_schema, parse_body)
+                                           ResetPrefixCacheRequest, SamplingRequest, SleepRequest,
+                                           UpdateWeightsFromDiskRequest, WakeUpRequest, inline_schema, parse_body)
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +109,13 @@ HANDLED_ERRORS = (APIError, BadRequest, StarletteHTTPException, Exception)  # (E
 ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "A bad request: the error's `param` names the field"), (401, "A missing or wrong API key"),
     (404, "An unknown model"), (413, "A body over --max-request-bytes"), (415, "A body that is not JSON"),
-    (503, "Too many sequences waiting, or the server is shutting down (Retry-After says when to retry)"))}
+    (503, "Too many sequences waiting, the engine asleep, or the server shutting down (Retry-After says when "
+          "to retry)"))}
 
 
 class Gate:
-    """ASGI middleware deciding before the body is parsed: 401 for a /v1 request without the API key, 413
+    """ASGI middleware deciding before the body is parsed: 401 for a /v1 request (or an engine operation's,
+    ADMIN_PATHS) without the API key, 413
     for a body over max_request_bytes (neither read into memory), 503 within SHUTDOWN_GRACE for an upload
     under way at shutdown. A refused body is still read (up to DISCARD_LIMIT) and dropped, as clients see a
     reset if we close mid-upload; not after "Expect: 100-continue" (the client waits for our word)."""
@@ -113,7 +129,7 @@ class Gate:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         discard = DISCARD_LIMIT if "100-continue" not in headers.get("expect", "").lower() else 0
-        if scope["path"].startswith("/v1") and not self._authorized(headers):
+        if (scope["path"].startswith("/v1") or scope["path"] in ADMIN_PATHS) and not self._authorized(headers):
             return await self._refuse(APIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
                                                "authentication_error", code="invalid_api_key"), discard,
                                       scope, receive, send)
@@ -182,6 +198,7 @@ class Gate:
 # ---- the endpoints: what they serve is in app.state (see build_app) ------------------------------
 public = APIRouter()
 v1 = APIRouter(prefix="/v1")  # the API: behind the key, if any (the Gate checks it)
+admin = APIRouter()  # the engine operations: behind the key too (ADMIN_PATHS)
 
 
 @public.get("/health")
@@ -264,6 +281,80 @@ async def chat_completions(http: Request):
                          functools.partial(ChatChoices, reasoning_parser=state.reasoning_parser))
 
 
+# ---- an RL trainer's operations on the engine (async_engine.AsyncFront.operate runs them) ----------
+# (Their bodies are described in each endpoint's docstring, not as an OpenAPI requestBody: the document's
+# request bodies are the API's, which the fuzz tests draw from: tests/openapi_strategy.py.)
+ADMIN_ERRORS = {**{status: ERRORS[status] for status in (400, 401, 413, 415, 503)},
+                501: {"model": ErrorResponse, "description": "An engine that cannot run it (data parallel)"}}
+
+
+def optional_body(raw: bytes, content_type: str | None, model: type):
+    """The body as `model`, each field its default where none was sent (an empty body: all of them)."""
+    return parse_body(raw, content_type, model) if raw.strip() else model()
+
+
+async def operate(http: Request, operation, param: str | None, answer):
+    """answer(operation's result) (operation: a coroutine of the engine's); its ValueError/TypeError a 400
+    naming param."""
+    try:
+        result = await until_disconnected(http, operation)
+    except ClientGone:
+        return Response(status_code=499)  # (nobody reads it; not run, if it was still waiting for its turn)
+    except (ValueError, TypeError) as e:  # (checked before anything changed: the engine serves as before)
+        raise BadRequest(str(e), param) from e
+    except Unsupported as e:
+        raise APIError(501, str(e), "not_implemented_error") from e
+    return answer(result)
+
+
+@admin.post("/update_weights_from_disk", responses=ADMIN_ERRORS)
+async def update_weights_from_disk(http: Request):
+    """`{"model_path": DIR}`: every tensor of DIR's *.safetensors into the model, once the requests in flight
+    have finished (those that come meanwhile wait, and run on the new weights); the prefix cache is reset.
+    Answers `{"success": true, "num_loaded": N}` (parameter loads); a bad folder or tensor is a 400, the old
+    weights serving on."""
+    body = parse_body(await http.body(), http.headers.get("content-type"), UpdateWeightsFromDiskRequest)
+    return await operate(http, http.app.state.engine.update_weights_from_disk(body.model_path), "model_path",
+                         lambda num_loaded: {"success": True, "num_loaded": num_loaded})
+
+
+@admin.post("/reset_prefix_cache", responses=ADMIN_ERRORS)
+async def reset_prefix_cache(http: Request):
+    """No body (or `{}`): every cached prefix forgotten, between requests. Answers `{"success": true}`."""
+    optional_body(await http.body(), http.headers.get("content-type"), ResetPrefixCacheRequest)
+    return await operate(http, http.app.state.engine.reset_prefix_cache(), None, lambda _: {"success": True})
+
+
+@admin.post("/sleep", responses=ADMIN_ERRORS)
+async def sleep(http: Request):
+    """`{"level": 1}` (the default; 2: the weights dropped too, reloaded from the checkpoint at wake-up), or no
+    body: once the requests queued have finished, the KV cache is freed; until /wake_up, a completion is a 503
+    with Retry-After. Answers `{"success": true, "is_sleeping": true}`."""
+    body = optional_body(await http.body(), http.headers.get("content-type"), SleepRequest)
+    engine = http.app.state.engine
+    return await operate(http, engine.sleep(body.level), "level",
+                         lambda _: {"success": True, "is_sleeping": engine.asleep > 0})
+
+
+@admin.post("/wake_up", responses=ADMIN_ERRORS)
+async def wake_up(http: Request):
+    """`{"tags": ["weights", "kv_cache"]}` (a subset; none given: both), or no body: back from /sleep (awake,
+    a no-op). Answers `{"success": true, "is_sleeping": bool}`: true still after the weights alone."""
+    body = optional_body(await http.body(), http.headers.get("content-type"), WakeUpRequest)
+    engine = http.app.state.engine
+    return await operate(http, engine.wake_up(body.tags), "tags",  # (still asleep after tags=["weights"])
+                         lambda _: {"success": True, "is_sleeping": engine.asleep > 0})
+
+
+@admin.get("/is_sleeping", responses={401: ERRORS[401]})
+async def is_sleeping(http: Request):
+    """`{"is_sleeping": bool}`, as vLLM's."""
+    return {"is_sleeping": http.app.state.engine.asleep > 0}
+
+
+ADMIN_PATHS = frozenset(route.path for route in admin.routes)
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
               metrics: ServingMetrics | None, max_request_bytes: int, tool_call_parser: str = "hermes",
               reasoning_parser: str | None = None) -> Gate:
@@ -276,6 +367,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None,
         app.add_exception_handler(error, error_response)
     app.include_router(public)
     app.include_router(v1)
+    app.include_router(admin)
     return Gate(app, api_key, max_request_bytes)
 
 
@@ -285,6 +377,7 @@ async def submit_all(engine: AsyncEngine, prompts: list, body: SamplingRequest, 
     or none (nothing if cancelled); a refusal is a BadRequest naming the field, or a 503 (until_disconnected)."""
     try:
         engine.check_open()  # (before tokenizing for nothing)
+        engine.check_awake()
         params = await sampling_params(engine, body, num_logprobs)
         prompt_ids = await asyncio.gather(*(engine.encode(prompt) for prompt in prompts))
     except PromptTooLong as e:
@@ -344,6 +437,8 @@ def unavailable(e: Exception) -> APIError:
         return shutting_down()
     if isinstance(e, QueueFull):
         return APIError(503, str(e), "service_unavailable", headers=RETRY_AFTER)
+    if isinstance(e, Asleep):
+        return APIError(503, f"{e} (POST /wake_up)", "service_unavailable", headers=RETRY_AFTER)
     return APIError(503, str(e), "server_error")  # EngineDead: retrying here will not help
 
 
@@ -396,7 +491,7 @@ async def until_disconnected(http: Request, work):
         raise ClientGone
     try:
         return task.result()
-    except (QueueFull, ShuttingDown, EngineDead) as e:
+    except (QueueFull, ShuttingDown, EngineDead, Asleep) as e:
         raise unavailable(e) from e
 
 

@@ -11,6 +11,12 @@ Three threads share the work, and none waits for another's slow part:
 Admission is fair across calls: the engine thread holds a call's requests and hands them to the engine
 one call at a time in turn (round robin), keeping at most max_num_seqs sequences waiting in the engine
 (first come, first served there), so one call of 100 prompts x n=128 cannot push every later call back.
+
+Operations on the engine itself (an RL trainer's: new weights, a reset prefix cache, sleep and wake-up)
+run on the engine thread too, in turn with the calls (see Operation): a weight update pauses admission,
+lets the requests in the engine finish on the old weights, runs while the engine is idle, and admits the
+calls that waited, so no call ever sees two versions of the weights. Sleep lets every call queued finish
+first, and the front refuses new ones (Asleep) from the moment it is asked until the engine is awake.
 """
 import asyncio
 import dataclasses
@@ -19,8 +25,8 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from queue import Empty, SimpleQueue
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Literal, Protocol
 
 from nanovllm.engine.frontend import Frontend
 from nanovllm.engine.llm_engine import LLMEngine
@@ -58,6 +64,14 @@ class EngineDead(Exception):
     """The engine thread failed (for example a tensor-parallel worker died); nothing more can run."""
 
 
+class Asleep(Exception):
+    """The engine sleeps (or is going to): no request runs until it is woken up; try again later."""
+
+
+class Unsupported(Exception):
+    """This engine cannot run that operation (data-parallel replicas take no weight updates or sleep)."""
+
+
 @dataclasses.dataclass
 class ChatPrompt:
     """Chat messages and the tools offered with them, to render with the chat template (and template_kwargs)."""
@@ -89,6 +103,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, function, *args):
         pass
 
 
+def _fail(future: Future, error: BaseException):
+    """An operation's future fails with error (unless its caller gave up waiting: cancelled)."""
+    if future.set_running_or_notify_cancel():
+        future.set_exception(error)
+
+
 def _put_all(items: list[tuple[Request, dict]]):
     for request, update in items:
         request.queue.put_nowait((request, update))
@@ -117,7 +137,29 @@ class Stop:
     """Abort everything and end the engine thread."""
 
 
-Command = Add | Abort | AbortAll | Stop
+# When an Operation's turn comes (the operations run one at a time, in the order they were asked for):
+PAUSE = "pause"      # no call not yet begun goes into the engine; once the engine is idle, it runs
+DRAIN = "drain"      # every call queued goes in and finishes first (the front refuses new ones meanwhile)
+AT_ONCE = "at once"  # now (wake_up: an engine asleep runs nothing, so it is idle already)
+Turn = Literal["pause", "drain", "at once"]
+
+
+@dataclasses.dataclass
+class Operation:
+    """Run function(llm) on the engine thread when its turn comes, its result or exception to `future`.
+    PAUSE is what keeps a call from seeing two versions of the weights: a call runs entirely before a
+    weight update or entirely after it (one whose requests went partly into the engine goes in whole first)."""
+    function: Callable
+    turn: Turn
+    future: Future
+
+
+Command = Add | Abort | AbortAll | Stop | Operation
+
+
+class HeldCall(deque):
+    """The requests of one call not in the engine yet, in order; `started`: some of the call's are."""
+    started = False
 
 
 async def updates(requests: list[Request]) -> AsyncIterator[tuple[int, dict]]:
@@ -151,6 +193,7 @@ class AsyncFront:
         self.llm = llm
         self.error: BaseException | None = None
         self.closing = False  # close() was called: new calls are refused
+        self.asleep = 0  # the engine's sleep level (0: awake), as its last operation left it
         self.grammar_timeout_s = COMPILE_TIMEOUT_S  # (a request's own compile; see grammar_job)
         self.image_urls = ImageURLs()  # how image_url parts are read (the server's --allowed-media-domains, ...)
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanovllm-tokenizer")
@@ -200,6 +243,36 @@ class AsyncFront:
         if self.closing:
             raise ShuttingDown("the server is shutting down")
 
+    def check_awake(self):
+        """Raise Asleep while the engine sleeps, or a sleep it was asked for waits for its turn."""
+        if self.asleep:
+            raise Asleep(f"the engine is asleep (sleep level {self.asleep}): no request runs until it is woken up")
+
+    # ---- operations on the engine (an RL trainer's), each run alone on the engine thread ----------
+    async def update_weights_from_disk(self, model_path: str) -> int:
+        """Load a checkpoint folder's weights (LLM.update_weights_from_disk) between calls: those in the engine
+        finish on the old weights, those that come meanwhile wait and run on the new. Returns the tensors
+        loaded; a ValueError/TypeError (nothing changed) for a bad folder or tensor."""
+        return await self.operate(lambda llm: llm.update_weights_from_disk(model_path), PAUSE)
+
+    async def reset_prefix_cache(self):
+        """Forget every cached prefix, between calls (as update_weights_from_disk)."""
+        await self.operate(lambda llm: llm.reset_prefix_cache(), PAUSE)
+
+    async def sleep(self, level: int):
+        """Free the KV cache (level 2: the weights too) once every call queued has finished; calls are
+        refused (Asleep) from now until wake_up. A ValueError for a bad level or an engine asleep already."""
+        await self.operate(lambda llm: llm.sleep(level), DRAIN)
+
+    async def wake_up(self, tags: list[str] | None):
+        """Bring back what sleep freed (tags: "weights", "kv_cache"; None: both); a no-op awake."""
+        await self.operate(lambda llm: llm.wake_up(tags), AT_ONCE)
+
+    async def operate(self, function: Callable, turn: Turn):
+        """function(llm)'s result, run on the engine thread when `turn` says (see Operation)."""
+        raise Unsupported(f"{type(self).__name__} runs no operations on its engine (weight updates, sleep, "
+                          "prefix cache reset): serve one replica for them")
+
 
 class AsyncEngine(AsyncFront):
     """Runs `llm` on a thread of its own; `stats`: the engine's queues and KV usage, refreshed every step.
@@ -214,8 +287,10 @@ class AsyncEngine(AsyncFront):
         self._num_submitted = 0  # sequences in Add commands not yet taken by the engine thread
         self._lock = threading.Lock()
         # the engine thread's:
-        self._held: deque[deque[Request]] = deque()  # calls with requests not in the engine yet, in turn
+        self._held: deque[HeldCall] = deque()  # calls with requests not in the engine yet, in turn
         self._num_held = 0  # the sequences they will run
+        self._operations: deque[Operation] = deque()  # operations waiting for their turn, in order
+        self._draining = 0  # DRAIN operations asked for and not yet run (under _lock: the front refuses calls)
         self._by_seq: dict[int, Request] = {}  # seq_id -> its request
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # updates of this step, per event loop
         self.stats = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
@@ -235,6 +310,7 @@ class AsyncEngine(AsyncFront):
         num_seqs = sum(p.n for p in params)
         with self._lock:  # (the engine thread sets error, and drains the commands, under it)
             self.check_open()
+            self.check_awake()
             check_queue_limit(self.max_queued_requests, num_seqs, len(requests),
                               self._num_submitted + self.stats["num_waiting"])
             self._num_submitted += num_seqs
@@ -255,6 +331,22 @@ class AsyncEngine(AsyncFront):
             self.closing = True
             self._commands.put(AbortAll())
 
+    def check_awake(self):
+        """Raise Asleep also while a sleep waits for its turn (calls queued before it run first)."""
+        if self._draining and not self.asleep:  # (a call queued now would run into the sleep)
+            raise Asleep("the engine is going to sleep: no request runs until it is woken up")
+        super().check_awake()
+
+    async def operate(self, function: Callable, turn: Turn):
+        """function(llm)'s result, run on the engine thread when `turn` says (Operation); ShuttingDown or
+        EngineDead if the engine thread takes no more. Cancelled before its turn, it does not run."""
+        future = Future()
+        with self._lock:  # (a call is queued before a sleep, and drained; or after it, and refused)
+            self.check_open()
+            self._draining += turn == DRAIN
+            self._commands.put(Operation(function, turn, future))
+        return await asyncio.wrap_future(future)
+
     def shutdown(self):
         """Abort everything, stop the engine thread and the engine (its worker processes)."""
         self._commands.put(Stop())
@@ -267,13 +359,15 @@ class AsyncEngine(AsyncFront):
         llm = self.llm
         try:
             while True:
-                idle = llm.is_finished() and not self._held
-                command = self._commands.get() if idle else self._next_command()
-                changed = command is not None
+                changed = self._run_operations()
+                idle = llm.is_finished() and not self._admissible()
+                command = self._commands.get() if idle and not changed else self._next_command()
+                changed = changed or command is not None
                 while command is not None:
                     if isinstance(command, Stop):
                         self._abort_all()
                         self._flush()
+                        self._fail_operations(ShuttingDown("the server is shutting down"))
                         self._refuse_the_rest(RuntimeError("the engine has been shut down"))
                         return
                     self._handle(command)
@@ -295,6 +389,7 @@ class AsyncEngine(AsyncFront):
             self._by_seq.clear()
             self._held.clear()
             self._outbox.clear()
+            self._fail_operations(EngineDead(f"the engine has failed: {e!r}"))
             self._refuse_the_rest(e)
 
     def _refuse_the_rest(self, error: BaseException):
@@ -305,6 +400,8 @@ class AsyncEngine(AsyncFront):
                 if isinstance(command, Add):
                     for request in command.requests:
                         request.fail(EngineDead(f"the engine has failed: {error!r}"))
+                elif isinstance(command, Operation):
+                    _fail(command.future, EngineDead(f"the engine has failed: {error!r}"))
 
     def _next_command(self) -> Command | None:
         try:
@@ -312,32 +409,87 @@ class AsyncEngine(AsyncFront):
         except Empty:
             return None
 
-    def _handle(self, command: Add | Abort | AbortAll):
+    def _handle(self, command: Add | Abort | AbortAll | Operation):
         match command:
             case Add(requests):
                 with self._lock:
                     self._num_submitted -= sum(r.params.n for r in requests)
-                self._held.append(deque(requests))
+                self._held.append(HeldCall(requests))
                 self._num_held += sum(r.params.n for r in requests)
             case Abort(request):
                 self._abort(request)
             case AbortAll():
                 self._abort_all()
+            case Operation():
+                self._operations.append(command)
+
+    def _paused(self) -> bool:
+        """Whether calls not yet begun wait: the next operation's turn is PAUSE."""
+        return bool(self._operations) and self._operations[0].turn == PAUSE
+
+    def _admissible(self) -> bool:
+        """Whether a held request may go into the engine now."""
+        return any(call.started for call in self._held) if self._paused() else bool(self._held)
 
     def _feed(self):
         """Hand held requests to the engine, calls in turn, while fewer than max_num_seqs wait in it: as many
-        as a step could admit, so it never runs short and a later call waits behind at most that many."""
+        as a step could admit, so it never runs short and a later call waits behind at most that many.
+        Paused (an operation waits for the engine to be idle), only calls already begun go on."""
         room = self.llm.config.max_num_seqs - self.llm.stats()["num_waiting"]
-        fed = False
+        fed, paused = False, self._paused()
+        waiting = []  # calls not begun, while paused: back in line after the others
         while self._held and room > 0:
             call = self._held.popleft()
+            if paused and not call.started:
+                waiting.append(call)
+                continue
             request = call.popleft()
+            call.started = True
             self._add(request)
             room -= request.params.n  # (its samples wait in the engine now: the first, and its forks)
             fed = True
             if call:
                 self._held.append(call)
+        self._held.extend(waiting)
         return fed
+
+    def _run_operations(self) -> bool:
+        """Run the operations whose turn has come, in order; whether any ran."""
+        ran = False
+        while self._operations and self._turn_came(self._operations[0]):
+            operation = self._operations.popleft()
+            future, result, error = operation.future, None, None
+            running = future.set_running_or_notify_cancel()  # (False: its caller gave up waiting)
+            if running:
+                try:
+                    result = operation.function(self.llm)
+                except (ValueError, TypeError) as e:  # (refused before anything changed: the calls go on)
+                    error = e
+                except Exception as e:  # (weights half loaded, a worker gone: serving on could mix versions)
+                    with self._lock:  # (first, as _loop's: a caller told of it who calls again is refused)
+                        self.error = e
+                    future.set_exception(EngineDead(f"the engine has failed: {e!r}"))
+                    raise  # (to _loop: every call in flight fails)
+            with self._lock:  # (the front's word on whether calls are taken, before its caller hears: check_awake)
+                self._draining -= operation.turn == DRAIN
+                self.asleep = self.llm.asleep
+            if running and error is not None:
+                future.set_exception(error)
+            elif running:
+                future.set_result(result)
+            ran = True
+        return ran
+
+    def _turn_came(self, operation: Operation) -> bool:
+        if operation.turn == AT_ONCE:
+            return True
+        held = self._held if operation.turn == DRAIN else [call for call in self._held if call.started]
+        return self.llm.is_finished() and not held
+
+    def _fail_operations(self, error: BaseException):
+        """The engine thread is ending: every operation waiting fails with error."""
+        while self._operations:
+            _fail(self._operations.popleft().future, error)
 
     def _add(self, request: Request):
         self._num_held -= request.params.n

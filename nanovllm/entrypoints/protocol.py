@@ -9,7 +9,7 @@ import dataclasses
 import json
 import re
 import sys
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal, TypeVar, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, TypeAdapter, ValidationError,
                       WithJsonSchema)
@@ -427,8 +427,35 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ---- the bodies of the engine operations (an RL trainer's: api_server's admin endpoints) ---------
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """POST /update_weights_from_disk: a checkpoint folder (its *.safetensors) of the served model's shapes."""
+    model_config = STRICT
+    model_path: str
+
+
+class ResetPrefixCacheRequest(BaseModel):
+    """POST /reset_prefix_cache: no fields (the body may be left out)."""
+    model_config = STRICT
+
+
+class SleepRequest(BaseModel):
+    """POST /sleep: level 1 keeps the weights in host memory, 2 drops them (reloaded at wake-up)."""
+    model_config = STRICT
+    level: int = Field(default=1, ge=1, le=2)  # (an int, strictly: a Literal[1, 2] would take true and 1.0)
+
+
+class WakeUpRequest(BaseModel):
+    """POST /wake_up: what to bring back (none given: both)."""
+    model_config = STRICT
+    tags: list[Literal["weights", "kv_cache"]] | None = Field(default=None, min_length=1)
+
+
 # ---- parsing a body -----------------------------------------------------------------------------
-def parse_body(raw: bytes, content_type: str | None, model: type[SamplingRequest]) -> SamplingRequest:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, content_type: str | None, model: type[Body]) -> Body:
     """The request `model` that a body holds, or a BadRequest saying what is wrong: not JSON (415), not
     UTF-8, nested too deep, a lone surrogate such as "\\ud800" (not even printable in an error), a bad field."""
     media_type = (content_type or "application/json").split(";", 1)[0].strip().lower()
@@ -526,5 +553,6 @@ def inline_schema(model: type[BaseModel]) -> dict:
 
 FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions, ResponseFormat,
                               JsonSchemaFormat, StructuredOutputsRequest, Tool, FunctionDefinition,
-                              NamedToolChoice, NamedFunction)
+                              NamedToolChoice, NamedFunction, UpdateWeightsFromDiskRequest, SleepRequest,
+                              WakeUpRequest)
                for name in m.model_fields} | {"json", "schema"}
