@@ -362,7 +362,7 @@ def run_nanovllm(args, path, prompts, max_tokens, prompt_lengths=None):
               pipeline_parallel_size=args.pipeline_parallel_size, num_kvcache_blocks=args.num_kvcache_blocks,
               async_scheduling=args.async_scheduling,
               speculative_config=args.speculative_config, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant)
     weights = weight_bytes(llm.model_runner.model)
     warm_up(llm, [p if isinstance(p, list) else p["prompt_token_ids"] for p in prompts])  # not timed
     recorder = StepRecorder(llm.config.device, timeline=bool(args.timeline))
@@ -387,6 +387,7 @@ def run_nanovllm(args, path, prompts, max_tokens, prompt_lengths=None):
         "ttft_s": percentiles(o["metrics"]["ttft_s"] for o in outputs),
         "tpot_s": percentiles(o["metrics"]["tpot_s"] for o in outputs),
         "device": llm.config.device, "attention_backend": llm.config.attention_backend,
+        "batch_invariant": llm.config.batch_invariant,
         "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
         "gpu_idle_between_decode_steps": recorder.gpu_idle_fraction(),
         # per sequence: 1.0 without speculation, 1 / (tokens per verification) with it
@@ -558,6 +559,9 @@ def parse_args(argv=None):
     p.add_argument("--quantization", choices=["fp8", "awq"], help="fp8: quantize the weights at load; a quantized "
                    "checkpoint (or preset: qwen3-0.6b-fp8, -awq) needs none")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="fp8: an e4m3 KV cache")
+    p.add_argument("--batch-invariant", action="store_true", help="LLM(batch_invariant=True): each sequence's "
+                   "output bitwise the same whatever the batch (features/batch_invariant.py); compare tok/s with "
+                   "a run without it")
     p.add_argument("--temperature", type=float, default=0.6, help="0: greedy")
     p.add_argument("--repetitive", action="store_true",
                    help="prompts that repeat a phrase of 8 tokens (text that quotes itself: n-gram drafts can hit)")
@@ -607,7 +611,8 @@ def main(argv=None):
     result["model"] = args.model or f"dummy:{args.dummy}"
     result["images"] = min(args.images, len(prompts))
     result["requested_output_tokens"] = sum(max_tokens)
-    print(f"nanovllm  [{result['model']}, {result['device']}, {result['attention_backend']}]: "
+    print(f"nanovllm  [{result['model']}, {result['device']}, {result['attention_backend']}"
+          f"{', batch-invariant' if result['batch_invariant'] else ''}]: "
           f"{result['output_tokens']} output tokens in {result['elapsed_s']:.2f}s = "
           f"{result['output_tok_per_s']:.1f} tok/s (total {result['total_tok_per_s']:.1f} tok/s; "
           f"prefill {result['prefill_tok_per_s']:.1f}, decode {result['decode_tok_per_s']:.1f} tok/s)")

@@ -110,6 +110,16 @@ def test_cpu_smoke_run_with_hf_baseline(capsys):
     assert last["gpu_idle_between_decode_steps"] is None  # timed with CUDA events: only on a GPU
 
 
+def test_batch_invariant_option_reaches_the_engine_and_the_record(capsys):
+    result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "4", "--min-input-len", "8", "--max-input-len", "24",
+                         "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "64",
+                         "--batch-invariant", "--json"])
+    out = capsys.readouterr().out
+    assert result["batch_invariant"] is json.loads(out.strip().splitlines()[-1])["batch_invariant"] is True
+    assert "batch-invariant]" in out and not result["failed_checks"]
+    assert bench.parse_args(["--dummy", "qwen3-tiny"]).batch_invariant is False
+
+
 def test_capped_baseline_reports_what_it_finished(capsys):
     result = bench.main(["--dummy", "qwen3-tiny", "--num-seqs", "8", "--min-input-len", "8", "--max-input-len", "16",
                          "--min-output-len", "4", "--max-output-len", "8", "--device", "cpu", "--max-model-len", "64",
