@@ -76,8 +76,9 @@ QUANT = ["--num-seqs", "64", "--max-input-len", "512", "--max-output-len", "128"
 # emulated, at the worst probe step (fp8 online 0.20, fp8 block 0.19, AWQ int4 0.38, fp8 KV cache
 # 0.076; bf16's rounding adds to these on the GPU). A broken kernel: about sqrt(2), or NaN.
 QUANTIZED = {"bf16": [], "fp8": ["--quantization", "fp8"], "fp8_block": ["--dummy", "qwen3-0.6b-fp8"],
-             "awq": ["--dummy", "qwen3-0.6b-awq"], "fp8_kv": ["--kv-cache-dtype", "fp8"]}
-PROBE_BOUNDS = {"fp8": 0.4, "fp8_block": 0.4, "awq": 0.8, "fp8_kv": 0.2}
+             "awq": ["--dummy", "qwen3-0.6b-awq"], "fp8_kv": ["--kv-cache-dtype", "fp8"],
+             "batch_invariant": ["--batch-invariant"]}  # (bf16 in fixed tilings: its cost is the figure)
+PROBE_BOUNDS = {"fp8": 0.4, "fp8_block": 0.4, "awq": 0.8, "fp8_kv": 0.2, "batch_invariant": 0.1}
 # The pytest steps: each test's own limit; the failures rerun at most.
 TEST_TIMEOUT_S = 30
 MAX_RERUNS = 3
@@ -400,8 +401,9 @@ def fp8_kv_decode(ctx: Context):
 
 
 def quantized(ctx: Context):
-    """One short workload in bf16 (the probe's reference), then each quantized scheme, its probe
-    checked against bf16's within PROBE_BOUNDS."""
+    """One short workload in bf16 (the probe's reference), then each quantized scheme and bf16 in
+    batch-invariant mode (its cost: the ratio to bf16's tok/s), each probe checked against bf16's
+    within PROBE_BOUNDS."""
     results, ok = {}, True
     for name, extra in QUANTIZED.items():
         if not ctx.wants(name):
@@ -411,7 +413,9 @@ def quantized(ctx: Context):
             continue
         ok &= not r["failed_checks"]
         error = f", probe error {max(r['probe_error'].values()):.3f} (bound {PROBE_BOUNDS[name]})" if name != "bf16" else ""
-        ctx.note(f"{name} {tok_s(r)}{error}")
+        cost = (f" = {r['output_tok_per_s'] / results['bf16']['output_tok_per_s']:.2f}x bf16's"
+                if name == "batch_invariant" and "bf16" in results else "")
+        ctx.note(f"{name} {tok_s(r)}{cost}{error}")
     return verdict(ok), "; ".join(ctx.notes), results
 
 
