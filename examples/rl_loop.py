@@ -154,7 +154,7 @@ def main():
                   f"({perf_counter() - start:.2f} s)", flush=True)
     finally:
         engine.close()
-        group.close()
+        group.shutdown()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def trainer_main(port: int, world_size: int, path: str, conn, send: bool = True)
         for t in state.values():
             group.broadcast(t.contiguous())
     conn.recv()  # (the group lives until the engine is done with it)
-    group.close()
+    group.shutdown()
 
 
 def start_trainer(port: int, world_size: int, path: str, send: bool = True):

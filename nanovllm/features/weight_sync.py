@@ -30,22 +30,23 @@ import torch.distributed as dist
 
 from nanovllm.features.idle_engine import on_every_rank, reset_prefix_cache
 from nanovllm.features.weight_updates import _load_plan, _plan, check_updatable, load_param_check
+from nanovllm.utils.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 
 
-class WeightUpdateGroup:
+class WeightUpdateGroup(TPGroup):
     """A torch.distributed group of the trainer (rank 0) and the engine's ranks, on a TCPStore of the
-    trainer's; broadcast() sends rank 0's tensor to all."""
+    trainer's; broadcast() (TPGroup's) sends rank 0's tensor to all, shutdown() ends it."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  backend: str = "gloo", timeout_s: float = 60.0):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.rank, self.size, self.local_rank, self.backend = rank, world_size, rank, backend
         store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
@@ -53,17 +54,6 @@ class WeightUpdateGroup:
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's tensor into every rank's (of the same shape and dtype; CUDA tensors for NCCL)."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self.pg.broadcast([tensor], options).wait()
-        return tensor
-
-    def close(self):
-        if hasattr(self.pg, "shutdown"):
-            self.pg.shutdown()
 
 
 def init_weight_update_group(llm, master_address: str, master_port: int, rank_offset: int, world_size: int,
