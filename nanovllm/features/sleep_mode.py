@@ -32,6 +32,7 @@ from time import perf_counter
 import torch
 
 from nanovllm.features.idle_engine import check_idle, forget_cached_blocks, on_every_rank
+from nanovllm.utils.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +148,9 @@ def reload_checkpoint(runner):
     """Level 2's wake-up: the weights as at start-up (ModelRunner._load's loading)."""
     config = runner.config
     if config.load_format == "dummy":
-        from nanovllm.utils.dummy_weights import load_dummy
+        from nanovllm.utils.dummy_weights import load_dummy  # (benchmarks': loaded when they ask)
         load_dummy(runner.model)
     else:
-        from nanovllm.utils.loader import load_model
         load_model(runner.model, config.model, show_progress=False)
 
 

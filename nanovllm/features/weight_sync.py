@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.features.idle_engine import on_every_rank, reset_prefix_cache
-from nanovllm.features.weight_updates import _load_plan, _plan, check_updatable, load_param_check
+from nanovllm.features.weight_updates import _load_plan, _plan, begin_update, load_param_check
 from nanovllm.utils.tp_group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -96,14 +96,11 @@ def update_weights_from_distributed(llm, names: list[str], dtypes: list, shapes:
     on every rank into the weights; then reset the prefix cache. Returns the parameter loads."""
     if getattr(llm.model_runner, "weight_update_group", None) is None:
         raise ValueError("no weight update group: call init_weight_update_group first")
-    check_updatable(llm, "update_weights_from_distributed")
     if not (isinstance(names, (list, tuple)) and isinstance(dtypes, (list, tuple)) and isinstance(shapes, (list, tuple))
             and len(names) == len(dtypes) == len(shapes)):
         raise ValueError("names, dtypes and shapes must be lists of one length")
     specs = [(name, as_dtype(dtype), tuple(shape)) for name, dtype, shape in zip(names, dtypes, shapes)]
-    if llm.asleep:
-        from nanovllm.features.sleep_mode import wake_up
-        wake_up(llm, ["weights"])
+    begin_update(llm, "update_weights_from_distributed")
     # (checked before anything is received: empty host tensors of those shapes, into scratch copies)
     load_param_check(llm.model_runner.model, [(n, torch.empty(s, dtype=d)) for n, d, s in specs],
                      "update_weights_from_distributed")

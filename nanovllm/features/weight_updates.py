@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nanovllm.features.idle_engine import check_idle, reset_prefix_cache
+from nanovllm.features.sleep_mode import wake_up
 from nanovllm.utils.loader import IGNORED_TENSOR_SUFFIXES, ShapeMismatch, load_param
 
 
@@ -51,10 +52,7 @@ def _update(llm, what: str, pairs: list, for_workers: str | None = None) -> int:
     """Check pairs on rank 0 into scratch copies (nothing changes on an error), then load them in
     place on every rank (the workers: CPU copies of pairs, a pickled tensor travels through their
     pipe; or for_workers, the checkpoint's folder), then reset the prefix cache."""
-    check_updatable(llm, what)
-    if llm.asleep:  # the weights back first (after sleep(level=2): the checkpoint's), the KV cache stays asleep
-        from nanovllm.features.sleep_mode import wake_up
-        wake_up(llm, ["weights"])
+    begin_update(llm, what)
     runner = llm.model_runner
     plan = load_param_check(runner.model, pairs, what)
     if runner.workers is not None:
@@ -76,7 +74,10 @@ def load_param_check(model: nn.Module, pairs: list, what: str) -> list[tuple]:
     return plan
 
 
-def check_updatable(llm, what: str):
+def begin_update(llm, what: str):
+    """A ValueError unless an update can run now (requests in flight, pipeline stages, a quantized
+    model); asleep, the weights are woken first (after sleep(level=2): the checkpoint's), the KV cache
+    left asleep, so a subset of tensors updates a whole model."""
     check_idle(llm, what)
     config = llm.config
     if config.pipeline_parallel_size > 1:
@@ -84,6 +85,8 @@ def check_updatable(llm, what: str):
     if config.quant_config is not None:
         raise ValueError(f"{what} is not supported for a quantized model "
                          f"({config.quant_config.method!r}: its layers would have to be quantized again)")
+    if llm.asleep:
+        wake_up(llm, ["weights"])
 
 
 def load_in_place(runner, source):
